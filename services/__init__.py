@@ -1,0 +1,1 @@
+"""Deployable services: thin apps over kubesgl libs."""
