@@ -1,0 +1,358 @@
+"""The wire protocol between kubesgl services: every NATS subject, header and message body.
+
+Nothing outside this module builds a subject string. Bodies are msgpack maps of the dataclass fields plus a
+`msg` tag naming the type; unknown fields are ignored so a newer sender can talk to an older receiver during
+a rolling upgrade. Subjects carry the protocol version (`kubesgl.v1.`) so two versions can run side by side.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Self, TypeVar
+
+import msgpack
+
+from kubesgl.engine.sampling import SamplingParams
+from kubesgl.engine.types import TokenLogprob
+from kubesgl.errors import (
+    ContextLengthError,
+    DeadlineExceededError,
+    InvalidRequestError,
+    KubesglError,
+    ModelNotFoundError,
+    ServiceUnavailableError,
+    UnsupportedModelError,
+)
+
+VERSION = "v1"
+_ROOT = f"kubesgl.{VERSION}"
+
+TOKENIZE = f"{_ROOT}.tokenize"
+ABORT = f"{_ROOT}.abort"
+HEARTBEAT = f"{_ROOT}.sched.heartbeat"
+DETOK = f"{_ROOT}.detok"
+
+TOKENIZER_QUEUE = "tokenizer"
+DETOKENIZER_QUEUE = "detokenizer"
+
+HEADER_RID = "kubesgl-rid"
+HEADER_DEADLINE = "kubesgl-deadline"
+HEADER_TRACEPARENT = "traceparent"
+
+HEARTBEAT_INTERVAL_S = 1.0
+# A scheduler missing this many heartbeats in a row is considered gone.
+HEARTBEAT_MISSES_TO_EXPIRE = 3
+# Tokens of already-sent context each TokenDelta carries, enough to re-cover a held-back UTF-8 character.
+DETOK_CONTEXT_TOKENS = 8
+
+_TYPE_KEY = "msg"
+
+
+def generate_subject(instance_id: str) -> str:
+    """Where one scheduler instance's rank 0 takes GenerateRequests."""
+    return f"{_ROOT}.sched.{_token(instance_id)}.generate"
+
+
+def stats_subject(instance_id: str) -> str:
+    """Request/reply subject answering one scheduler instance's SchedulerStats (operators and tests)."""
+    return f"{_ROOT}.sched.{_token(instance_id)}.stats"
+
+
+def gateway_subject(gateway_id: str) -> str:
+    """Where the gateway holding a client's connection receives that client's TextDeltas."""
+    return f"{_ROOT}.gw.{_token(gateway_id)}"
+
+
+def _token(name: str) -> str:
+    # One NATS subject token: a dot, space or wildcard would change which subscribers match.
+    if not name or any(c in name for c in ". *>\t\r\n"):
+        raise ValueError(f"invalid subject token {name!r}: must be non-empty without '.', '*', '>' or spaces")
+    return name
+
+
+class ProtocolError(ValueError):
+    """A body that is not a valid message of the expected type."""
+
+
+def headers(rid: str, deadline: float | None = None, traceparent: str | None = None) -> dict[str, str]:
+    """The NATS headers every kubesgl message carries."""
+    out = {HEADER_RID: rid}
+    if deadline is not None:
+        out[HEADER_DEADLINE] = repr(float(deadline))
+    if traceparent:
+        out[HEADER_TRACEPARENT] = traceparent
+    return out
+
+
+def header_deadline(hdrs: dict[str, str] | None) -> float | None:
+    """The absolute deadline (unix seconds) from message headers, None when absent or malformed."""
+    raw = (hdrs or {}).get(HEADER_DEADLINE)
+    try:
+        return float(raw) if raw is not None else None
+    except ValueError:
+        return None
+
+
+M = TypeVar("M", bound="Message")
+
+
+@dataclass
+class Message:
+    """Base of every wire message: msgpack encoding with a type tag; unknown fields ignored on decode."""
+
+    def to_bytes(self) -> bytes:
+        body = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        body[_TYPE_KEY] = type(self).__name__
+        return msgpack.packb(body, use_bin_type=True)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> Self:
+        body = _unpack(data)
+        tag = body.get(_TYPE_KEY)
+        if tag != cls.__name__:
+            raise ProtocolError(f"expected a {cls.__name__} message, got {tag!r}")
+        return cls._from_body(body)
+
+    @classmethod
+    def _from_body(cls, body: dict[str, Any]) -> Self:
+        names = {f.name for f in dataclasses.fields(cls)}
+        try:
+            return cls(**{k: v for k, v in body.items() if k in names})
+        except TypeError as e:
+            raise ProtocolError(f"malformed {cls.__name__}: {e}") from e
+
+
+def _unpack(data: bytes) -> dict[str, Any]:
+    try:
+        body = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except Exception as e:  # msgpack raises several unrelated types for garbage input
+        raise ProtocolError(f"body is not msgpack: {e}") from e
+    if not isinstance(body, dict):
+        raise ProtocolError(f"body is a {type(body).__name__}, expected a map")
+    return body
+
+
+def decode(data: bytes, *types: type[M]) -> M:
+    """Decodes a body that may be any of `types` (e.g. a reply that is Admitted or ErrorReply)."""
+    body = _unpack(data)
+    tag = body.get(_TYPE_KEY)
+    for t in types:
+        if t.__name__ == tag:
+            return t._from_body(body)
+    raise ProtocolError(f"expected one of {[t.__name__ for t in types]}, got {tag!r}")
+
+
+@dataclass
+class TokenizeRequest(Message):
+    """gateway -> any tokenizer: a prompt in one of three shapes ("chat", "completion" or "tokens")."""
+
+    KINDS: ClassVar[tuple[str, ...]] = ("chat", "completion", "tokens")
+
+    rid: str
+    gateway_id: str
+    model: str
+    kind: str
+    sampling: dict[str, Any]
+    deadline: float
+    messages: list[dict[str, Any]] | None = None
+    prompt: str | None = None
+    input_ids: list[int] | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+@dataclass
+class GenerateRequest(Message):
+    """tokenizer -> one scheduler instance: token ids ready to run."""
+
+    rid: str
+    gateway_id: str
+    input_ids: list[int]
+    sampling: dict[str, Any]
+    deadline: float
+
+
+@dataclass
+class Admitted(Message):
+    """The scheduler accepted the request; the reply travels back through the tokenizer to the gateway."""
+
+    rid: str
+    instance_id: str
+    prompt_tokens: int
+
+
+@dataclass
+class ErrorReply(Message):
+    """A request refused at some stage; `status` is the HTTP status the gateway answers with."""
+
+    rid: str
+    status: int
+    type: str
+    message: str
+    code: str | None = None
+    param: str | None = None
+
+    @classmethod
+    def from_error(cls, rid: str, err: KubesglError) -> ErrorReply:
+        return cls(rid=rid, **error_dict(err))
+
+    def to_error(self) -> KubesglError:
+        return error_from_dict(dataclasses.asdict(self))
+
+
+@dataclass
+class Abort(Message):
+    """gateway -> all schedulers: stop this request and free its pages (instance_id None = whoever has it)."""
+
+    rid: str
+    instance_id: str | None = None
+
+
+@dataclass
+class Heartbeat(Message):
+    """A scheduler instance announcing itself and its load; its absence for a few intervals means it is gone."""
+
+    instance_id: str
+    model: str
+    context_len: int
+    page_size: int
+    num_pages: int
+    running: int
+    queued: int
+    free_pages: int
+    available_pages: int
+    max_running_requests: int
+    draining: bool
+    ts: float
+
+
+@dataclass
+class TokenDelta(Message):
+    """scheduler -> any detokenizer: new tokens of one request, after up to DETOK_CONTEXT_TOKENS of context.
+
+    `tokens[new_from:]` are new; the context lets any replica decode without per-request state.
+    `logprobs` has one wire_logprob entry per new token when requested.
+    """
+
+    rid: str
+    gateway_id: str
+    instance_id: str
+    seq: int
+    tokens: list[int]
+    new_from: int
+    finished: bool = False
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    logprobs: list[dict[str, Any]] | None = None
+    error: dict[str, Any] | None = None
+
+
+@dataclass
+class Ack(Message):
+    """detokenizer -> scheduler: the TextDelta for (rid, seq) has been published to the gateway."""
+
+    rid: str
+    seq: int
+
+
+@dataclass
+class TextDelta(Message):
+    """detokenizer (or any stage reporting an error) -> the gateway holding the client."""
+
+    rid: str
+    instance_id: str
+    seq: int
+    text: str
+    token_ids: list[int] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    logprobs: list[dict[str, Any]] | None = None
+    error: dict[str, Any] | None = None
+
+
+@dataclass
+class SchedulerStats(Message):
+    """Reply on stats_subject: the engine's counters, for operators and tests (e.g. pages back after abort)."""
+
+    instance_id: str
+    running: int
+    queued: int
+    free_pages: int
+    available_pages: int
+    total_pages: int
+    cached_prefix_pages: int
+    active_rids: list[str] = field(default_factory=list)
+    draining: bool = False
+
+
+_SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+
+
+def sampling_to_dict(params: SamplingParams) -> dict[str, Any]:
+    """SamplingParams as a wire dict (tuples become lists)."""
+    out = dataclasses.asdict(params)
+    out["stop_token_ids"] = list(params.stop_token_ids)
+    return out
+
+
+def sampling_from_dict(d: dict[str, Any]) -> SamplingParams:
+    """Builds and validates SamplingParams; an unknown field is rejected rather than silently ignored."""
+    unknown = sorted(set(d) - _SAMPLING_FIELDS)
+    if unknown:
+        raise InvalidRequestError(
+            f"unsupported sampling parameter(s): {', '.join(unknown)}", param=unknown[0]
+        )
+    values = dict(d)
+    if "stop_token_ids" in values:
+        values["stop_token_ids"] = tuple(values["stop_token_ids"] or ())
+    try:
+        params = SamplingParams(**values)
+    except TypeError as e:
+        raise InvalidRequestError(f"invalid sampling parameters: {e}") from e
+    params.validate()
+    return params
+
+
+def wire_logprob(lp: TokenLogprob) -> dict[str, Any]:
+    """One generated token's logprob as the scheduler sends it (ids only; the detokenizer adds strings)."""
+    return {"token_id": lp.token_id, "logprob": lp.logprob, "top": [[t, p] for t, p in lp.top]}
+
+
+def error_dict(err: KubesglError) -> dict[str, Any]:
+    """The error fields carried by ErrorReply and by TokenDelta/TextDelta.error."""
+    return {
+        "status": err.status,
+        "type": err.type,
+        "code": err.code,
+        "param": err.param,
+        "message": err.message,
+    }
+
+
+# Most specific first: the first class whose (status, code) matches rebuilds the error.
+_ERROR_CLASSES: tuple[type[KubesglError], ...] = (
+    ContextLengthError,
+    ModelNotFoundError,
+    UnsupportedModelError,
+    InvalidRequestError,
+    ServiceUnavailableError,
+    DeadlineExceededError,
+)
+
+
+def error_from_dict(d: dict[str, Any]) -> KubesglError:
+    """Rebuilds the typed error from its wire fields, keeping status/type/code even for unknown kinds."""
+    status, code = int(d.get("status", 500)), d.get("code")
+    message, param = str(d.get("message", "")), d.get("param")
+    for cls in _ERROR_CLASSES:
+        if cls.status == status and cls.code == code:
+            return cls(message, param=param)
+    err = KubesglError(message, param=param)
+    err.status, err.type, err.code = status, str(d.get("type", "internal_error")), code
+    return err
