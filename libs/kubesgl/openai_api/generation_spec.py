@@ -1,0 +1,164 @@
+"""Validates an OpenAI (or native) request body into what one generation needs: SamplingParams, stop strings,
+fan-out `n`, and streaming options. Every accepted field is honoured here or rejected with a 400 naming it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from kubesgl.engine.sampling import SamplingParams
+from kubesgl.errors import InvalidRequestError
+from kubesgl.openai_api.request_models import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    NativeGenerateRequest,
+    SamplingFields,
+)
+
+MAX_N = 128
+MAX_STOP_STRINGS = 16
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class GenerationSpec:
+    """One validated request: `params` for choice 0; `params_for_choice(i)` for the fan-out children."""
+
+    params: SamplingParams
+    stop: tuple[str, ...] = ()
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+
+    def params_for_choice(self, index: int) -> SamplingParams:
+        # Distinct seeds keep n seeded samples different yet reproducible; choice 0 keeps the request's seed.
+        if self.params.seed is None or index == 0:
+            return self.params
+        return replace(self.params, seed=(self.params.seed + index) % 2**63)
+
+
+def chat_spec(req: ChatCompletionRequest, default_max_tokens: int) -> GenerationSpec:
+    _reject_if(
+        req.response_format is not None and req.response_format.type != "text",
+        "response_format",
+        "only response_format type 'text' is supported",
+    )
+    for name in ("tools", "functions"):
+        _reject_if(bool(getattr(req, name)), name, f"{name} (function calling) is not supported")
+    for name in ("tool_choice", "function_call"):
+        _reject_if(getattr(req, name) not in (None, "none"), name, f"{name} is not supported")
+    _reject_if(
+        req.parallel_tool_calls is not None, "parallel_tool_calls", "parallel_tool_calls is not supported"
+    )
+    _reject_if(
+        req.top_logprobs is not None and not req.logprobs,
+        "top_logprobs",
+        "top_logprobs requires logprobs to be true",
+    )
+    _reject_if(
+        req.max_tokens is not None
+        and req.max_completion_tokens is not None
+        and req.max_tokens != req.max_completion_tokens,
+        "max_completion_tokens",
+        "max_tokens and max_completion_tokens disagree; send one of them",
+    )
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    top = req.top_logprobs or 0
+    return _spec(req, max_tokens, default_max_tokens, req.logprobs, top, "top_logprobs")
+
+
+def completion_spec(req: CompletionRequest, default_max_tokens: int) -> GenerationSpec:
+    _reject_if(req.echo, "echo", "echo is not supported")
+    _reject_if(bool(req.suffix), "suffix", "suffix is not supported")
+    _reject_if(req.logprobs is not None and req.logprobs < 0, "logprobs", "logprobs must be >= 0")
+    top = req.logprobs or 0
+    return _spec(req, req.max_tokens, default_max_tokens, req.logprobs is not None, top, "logprobs")
+
+
+def native_spec(req: NativeGenerateRequest) -> GenerationSpec:
+    _reject_if((req.text is None) == (req.input_ids is None), "text", "send exactly one of text or input_ids")
+    _reject_if(
+        req.top_logprobs_num and not req.return_logprob,
+        "top_logprobs_num",
+        "top_logprobs_num requires return_logprob",
+    )
+    sp = req.sampling_params
+    params = SamplingParams(
+        max_tokens=sp.max_new_tokens,
+        temperature=sp.temperature,
+        top_k=sp.top_k,
+        top_p=sp.top_p,
+        min_p=sp.min_p,
+        presence_penalty=sp.presence_penalty,
+        frequency_penalty=sp.frequency_penalty,
+        repetition_penalty=sp.repetition_penalty,
+        seed=sp.seed,
+        stop_token_ids=tuple(sp.stop_token_ids or ()),
+        ignore_eos=sp.ignore_eos,
+        logprobs=req.return_logprob,
+        top_logprobs=req.top_logprobs_num,
+    )
+    _validate(params, {"max_tokens": "sampling_params.max_new_tokens"})
+    return GenerationSpec(params=params, stop=_stop_strings(sp.stop), stream=req.stream)
+
+
+def _spec(
+    req: SamplingFields,
+    max_tokens: int | None,
+    default_max_tokens: int,
+    logprobs: bool,
+    top_logprobs: int,
+    top_logprobs_param: str,
+) -> GenerationSpec:
+    _reject_if(bool(req.logit_bias), "logit_bias", "logit_bias is not supported")
+    _reject_if(req.best_of not in (None, 1), "best_of", "best_of > 1 is not supported")
+    _reject_if(not 1 <= req.n <= MAX_N, "n", f"n must be in [1, {MAX_N}] (got {req.n})")
+    _reject_if(
+        req.stream_options is not None and not req.stream,
+        "stream_options",
+        "stream_options is only allowed when stream is true",
+    )
+    _reject_if(
+        top_logprobs > MAX_TOP_LOGPROBS,
+        top_logprobs_param,
+        f"{top_logprobs_param} must be at most {MAX_TOP_LOGPROBS} (got {top_logprobs})",
+    )
+    params = SamplingParams(
+        max_tokens=default_max_tokens if max_tokens is None else max_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_k=-1 if req.top_k is None else req.top_k,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        min_p=req.min_p or 0.0,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        seed=req.seed,
+        stop_token_ids=tuple(req.stop_token_ids or ()),
+        ignore_eos=req.ignore_eos,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+    )
+    _validate(params, {"top_logprobs": top_logprobs_param})
+    include_usage = req.stream_options is not None and req.stream_options.include_usage
+    return GenerationSpec(params, _stop_strings(req.stop), req.n, req.stream, include_usage)
+
+
+def _stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
+    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    _reject_if(len(stops) > MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} stop strings")
+    _reject_if(any(not s for s in stops), "stop", "stop strings must not be empty")
+    return stops
+
+
+def _validate(params: SamplingParams, rename: dict[str, str]) -> None:
+    """SamplingParams.validate, with its error naming the field as the client spelled it."""
+    try:
+        params.validate()
+    except InvalidRequestError as err:
+        param = rename.get(err.param or "", err.param)
+        raise InvalidRequestError(err.message.replace(err.param or "", param or "", 1), param=param) from None
+    _reject_if(any(t < 0 for t in params.stop_token_ids), "stop_token_ids", "token ids must be >= 0")
+
+
+def _reject_if(bad: bool, param: str, message: str) -> None:
+    if bad:
+        raise InvalidRequestError(message, param=param)

@@ -1,0 +1,163 @@
+"""Builders for OpenAI response bodies and SSE chunks (chat.completion, text_completion) and the native
+/generate body. Pure functions of finished or partial choices."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from kubesgl.openai_api.logprobs import chat_logprobs, completion_logprobs, native_logprobs
+
+
+@dataclass
+class ChoiceResult:
+    """One finished choice as the gateway assembled it."""
+
+    index: int
+    text: str
+    finish_reason: str | None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[str, Any]] | None = None  # per-token entries, None when not requested
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    matched_stop: str | int | None = None
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def usage_of(choices: list[ChoiceResult], num_prompts: int = 1) -> dict[str, Any]:
+    """Each prompt is counted once even when fanned out to n choices (OpenAI's rule); completions are summed."""
+    n = max(len(choices) // max(num_prompts, 1), 1)
+    firsts = choices[::n]
+    return usage(
+        sum(c.prompt_tokens for c in firsts),
+        sum(c.completion_tokens for c in choices),
+        sum(c.cached_tokens for c in firsts),
+    )
+
+
+def chat_response(rid: str, created: int, model: str, choices: list[ChoiceResult]) -> dict[str, Any]:
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": None if c.logprobs is None else chat_logprobs(c.logprobs),
+                "finish_reason": c.finish_reason,
+            }
+            for c in choices
+        ],
+        "usage": usage_of(choices),
+    }
+
+
+def completion_response(
+    rid: str, created: int, model: str, choices: list[ChoiceResult], num_prompts: int
+) -> dict[str, Any]:
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": c.index,
+                "text": c.text,
+                "logprobs": None if c.logprobs is None else completion_logprobs(c.logprobs),
+                "finish_reason": c.finish_reason,
+            }
+            for c in choices
+        ],
+        "usage": usage_of(choices, num_prompts),
+    }
+
+
+def chat_chunk(
+    rid: str,
+    created: int,
+    model: str,
+    index: int,
+    delta: dict[str, Any],
+    logprobs: list[dict[str, Any]] | None = None,
+    finish_reason: str | None = None,
+) -> dict[str, Any]:
+    return {
+        "id": rid,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": index,
+                "delta": delta,
+                "logprobs": None if logprobs is None else chat_logprobs(logprobs),
+                "finish_reason": finish_reason,
+            }
+        ],
+    }
+
+
+def completion_chunk(
+    rid: str,
+    created: int,
+    model: str,
+    index: int,
+    text: str,
+    logprobs: list[dict[str, Any]] | None = None,
+    text_offset: int = 0,
+    finish_reason: str | None = None,
+) -> dict[str, Any]:
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": index,
+                "text": text,
+                "logprobs": None if logprobs is None else completion_logprobs(logprobs, text_offset),
+                "finish_reason": finish_reason,
+            }
+        ],
+    }
+
+
+def usage_chunk(rid: str, created: int, model: str, obj: str, usage_body: dict[str, Any]) -> dict[str, Any]:
+    """The last chunk of a stream with stream_options.include_usage: no choices, only usage."""
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage_body}
+
+
+def native_response(rid: str, choice: ChoiceResult, text: str | None = None) -> dict[str, Any]:
+    """SGLang's /generate body; streams send the cumulative `text` so far (SGLang's convention)."""
+    meta: dict[str, Any] = {
+        "id": rid,
+        "prompt_tokens": choice.prompt_tokens,
+        "completion_tokens": choice.completion_tokens,
+        "cached_tokens": choice.cached_tokens,
+        "finish_reason": None
+        if choice.finish_reason is None
+        else {"type": choice.finish_reason, "matched": choice.matched_stop},
+    }
+    if choice.logprobs is not None:
+        meta.update(native_logprobs(choice.logprobs))
+    return {"text": choice.text if text is None else text, "output_ids": choice.token_ids, "meta_info": meta}
+
+
+def sse(body: dict[str, Any] | str) -> bytes:
+    """One server-sent event; `[DONE]` is passed as the plain string."""
+    data = body if isinstance(body, str) else json.dumps(body, separators=(",", ":"), ensure_ascii=False)
+    return f"data: {data}\n\n".encode()

@@ -1,0 +1,88 @@
+"""Response builders: OpenAI body shapes, usage accounting, logprob formats, wire errors."""
+
+from __future__ import annotations
+
+import json
+
+from kubesgl.errors import ContextLengthError
+from kubesgl.openai_api.http_errors import error_body, error_from_wire
+from kubesgl.openai_api.responses import (
+    ChoiceResult,
+    chat_chunk,
+    chat_response,
+    completion_chunk,
+    completion_response,
+    sse,
+    usage_of,
+)
+
+LP = [
+    {
+        "token": "he",
+        "token_id": 5,
+        "logprob": -0.1,
+        "bytes": [104, 101],
+        "top": [{"token": "he", "logprob": -0.1}],
+    },
+    {"token": "llo", "token_id": 6, "logprob": -0.2, "bytes": [108, 108, 111], "top": []},
+]
+
+
+def _choice(i: int, **kw) -> ChoiceResult:
+    return ChoiceResult(i, "hello", "stop", prompt_tokens=10, cached_tokens=4, completion_tokens=2, **kw)
+
+
+def test_usage_counts_each_prompt_once_and_sums_completions() -> None:
+    u = usage_of([_choice(0), _choice(1)])
+    assert u == {
+        "prompt_tokens": 10,
+        "completion_tokens": 4,
+        "total_tokens": 14,
+        "prompt_tokens_details": {"cached_tokens": 4},
+    }
+    assert usage_of([_choice(i) for i in range(4)], num_prompts=2)["prompt_tokens"] == 20
+
+
+def test_chat_response_shape_with_logprobs() -> None:
+    body = chat_response("chatcmpl-1", 1, "m", [_choice(0, logprobs=LP)])
+    c = body["choices"][0]
+    assert body["object"] == "chat.completion" and c["message"] == {"role": "assistant", "content": "hello"}
+    assert [e["token"] for e in c["logprobs"]["content"]] == ["he", "llo"]
+    assert c["logprobs"]["content"][0]["top_logprobs"][0] == {"token": "he", "logprob": -0.1, "bytes": None}
+
+
+def test_completion_logprobs_carry_text_offsets() -> None:
+    body = completion_response("cmpl-1", 1, "m", [_choice(0, logprobs=LP)], 1)
+    lp = body["choices"][0]["logprobs"]
+    assert (
+        lp["tokens"] == ["he", "llo"]
+        and lp["text_offset"] == [0, 2]
+        and lp["top_logprobs"][0] == {"he": -0.1}
+    )
+    chunk = completion_chunk("cmpl-1", 1, "m", 0, "llo", LP[1:], text_offset=2)
+    assert chunk["choices"][0]["logprobs"]["text_offset"] == [2]
+
+
+def test_chunks_and_sse_framing() -> None:
+    chunk = chat_chunk("id", 1, "m", 1, {"content": "é"}, finish_reason="length")
+    assert chunk["choices"][0]["finish_reason"] == "length" and chunk["choices"][0]["index"] == 1
+    raw = sse(chunk)
+    assert raw.startswith(b"data: ") and raw.endswith(b"\n\n")
+    assert json.loads(raw[6:]) == chunk
+    assert sse("[DONE]") == b"data: [DONE]\n\n"
+
+
+def test_wire_errors_keep_their_status_and_code() -> None:
+    err = error_from_wire(
+        {"status": 400, "type": "invalid_request_error", "code": "context_length_exceeded", "message": "long"}
+    )
+    assert isinstance(err, ContextLengthError) and err.status == 400
+    assert error_body(err) == {
+        "error": {
+            "message": "long",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "context_length_exceeded",
+        }
+    }
+    assert error_from_wire({"status": 503, "message": "gone"}).type == "service_unavailable"
