@@ -1,0 +1,40 @@
+"""Stateless incremental detokenization: any replica turns one TokenDelta window into the text it adds.
+
+The scheduler sends each delta with up to DETOK_CONTEXT_TOKENS already-sent tokens in front of the new ones.
+The text a delta adds is decode(window) minus decode(window[:new_from]). A trailing U+FFFD (a UTF-8 character
+whose remaining bytes are still to come) is held back from both, so the next delta, whose context re-covers
+those bytes, emits the finished character. A decode of at most one held-back character (<= 3 bytes) plus the
+<= 3 bytes a window's left edge may cut mid-character fits well inside 8 tokens of context.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from kubesgl.protocol import DETOK_CONTEXT_TOKENS
+
+_REPLACEMENT = "\ufffd"
+
+
+def delta_window(
+    output_ids: Sequence[int], sent: int, context: int = DETOK_CONTEXT_TOKENS
+) -> tuple[list[int], int]:
+    """The tokens a delta carries when `sent` of `output_ids` went out before, and where the new ones start."""
+    start = max(0, sent - context)
+    return list(output_ids[start:]), sent - start
+
+
+def delta_text(decode: Callable[[list[int]], str], tokens: list[int], new_from: int, finished: bool) -> str:
+    """The text `tokens[new_from:]` add after `tokens[:new_from]`; the last delta holds nothing back."""
+    full = decode(tokens)
+    if not finished:
+        full = _hold_back_incomplete(full)
+    if new_from == 0:
+        return full
+    before = _hold_back_incomplete(decode(tokens[:new_from]))
+    return full[len(before) :]
+
+
+def _hold_back_incomplete(text: str) -> str:
+    # A lossy UTF-8 decode ends an unfinished multi-byte character with exactly one U+FFFD.
+    return text[:-1] if text.endswith(_REPLACEMENT) else text

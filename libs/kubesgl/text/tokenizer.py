@@ -1,0 +1,114 @@
+"""The model's tokenizer and chat template, loaded from the model directory (HF `tokenizer.json` et al.)."""
+
+from __future__ import annotations
+
+import re
+from functools import cached_property
+from typing import Any
+
+from kubesgl.errors import InvalidRequestError
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+class ModelTokenizer:
+    """Encode, chat-template, decode and per-token bytes; decode skips special tokens like the offline LLM."""
+
+    def __init__(self, hf_tokenizer: Any) -> None:
+        self.hf = hf_tokenizer
+        # The Rust tokenizer decodes without transformers' per-call Python overhead (the detokenizer's hot path).
+        self._backend = getattr(hf_tokenizer, "_tokenizer", None)
+
+    @classmethod
+    def load(cls, model_path: str) -> ModelTokenizer:
+        from transformers import AutoTokenizer  # heavy import, paid only by the processes that tokenize
+
+        return cls(AutoTokenizer.from_pretrained(model_path))
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.hf)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.hf, "chat_template", None))
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=True))
+
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """Token ids of the chat template applied to `messages` (the template supplies special tokens)."""
+        if not self.has_chat_template:
+            raise InvalidRequestError(
+                "this model has no chat template; use /v1/completions", param="messages"
+            )
+        try:
+            text = self.hf.apply_chat_template(
+                messages,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                **(template_kwargs or {}),
+            )
+        except Exception as e:  # jinja raises its own errors (e.g. raise_exception for bad role order)
+            raise InvalidRequestError(f"chat template failed: {e}", param="messages") from e
+        return list(self.hf.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: list[int]) -> str:
+        if self._backend is not None:
+            return self._backend.decode(ids, skip_special_tokens=True)
+        return self.hf.decode(ids, skip_special_tokens=True)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes one token stands for (byte-level BPE and byte-fallback tokens may be partial UTF-8)."""
+        token = self.hf.convert_ids_to_tokens(token_id)
+        if token is None:
+            return b""
+        if token_id not in self._added_ids:
+            if self._byte_level and all(c in _UNICODE_TO_BYTE for c in token):
+                return bytes(_UNICODE_TO_BYTE[c] for c in token)
+            if m := _BYTE_FALLBACK.fullmatch(token):
+                return bytes([int(m.group(1), 16)])
+        return self.hf.decode([token_id], skip_special_tokens=False).encode()
+
+    def token_text(self, token_id: int) -> str:
+        """A token as OpenAI shows it in logprobs: its text, or `bytes:\\xNN..` when not whole UTF-8."""
+        raw = self.token_bytes(token_id)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+    @cached_property
+    def _added_ids(self) -> frozenset[int]:
+        return frozenset(getattr(self.hf, "added_tokens_decoder", {}) or {})
+
+    @cached_property
+    def _byte_level(self) -> bool:
+        from tokenizers import decoders
+
+        return self._backend is not None and isinstance(self._backend.decoder, decoders.ByteLevel)
+
+
+def _gpt2_unicode_to_byte() -> dict[str, int]:
+    # GPT-2's byte-level alphabet: printable bytes map to themselves, the rest to code points from 256 up.
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    mapping, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            mapping[chr(b)] = b
+        else:
+            mapping[chr(256 + extra)] = b
+            extra += 1
+    return mapping
+
+
+_UNICODE_TO_BYTE = _gpt2_unicode_to_byte()
