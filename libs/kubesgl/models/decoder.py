@@ -1,0 +1,216 @@
+"""The dense decoder-only transformer shared by Llama, Mistral, Qwen2 and Qwen3.
+
+The families differ only in flags: Qwen2 has a q/k/v bias, Qwen3 normalises q and k per head before
+RoPE. Module names follow HF's so checkpoint names map one to one, except the fused q/k/v and
+gate/up projections (see `stacked_params`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from kubesgl.distributed import TPGroup
+from kubesgl.errors import UnsupportedModelError
+from kubesgl.layers.activation import SiluAndMul
+from kubesgl.layers.attention import Attention
+from kubesgl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from kubesgl.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from kubesgl.layers.norm import RMSNorm
+from kubesgl.layers.rotary import RotaryEmbedding
+from kubesgl.models.hf_config import eos_token_ids, head_dim_of, rope_settings
+
+if TYPE_CHECKING:
+    from kubesgl.engine.forward import ForwardBatch
+
+# HF checkpoint name piece -> (our fused parameter's name piece, shard id).
+STACKED_PARAMS: dict[str, tuple[str, Any]] = {
+    ".q_proj.": (".qkv_proj.", "q"),
+    ".k_proj.": (".qkv_proj.", "k"),
+    ".v_proj.": (".qkv_proj.", "v"),
+    ".gate_proj.": (".gate_up_proj.", 0),
+    ".up_proj.": (".gate_up_proj.", 1),
+}
+
+
+class DecoderAttention(nn.Module):
+    """Self-attention: fused qkv projection, optional per-head q/k RMSNorm, RoPE, paged attention, o_proj."""
+
+    def __init__(self, config: Any, layer_id: int, *, qkv_bias: bool, qk_norm: bool, tp: TPGroup) -> None:
+        super().__init__()
+        head_dim = head_dim_of(config)
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            head_dim,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            bias=qkv_bias,
+            tp=tp,
+        )
+        heads, kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * head_dim, config.hidden_size, bias=False, tp=tp
+        )
+        self.head_dim = head_dim
+        self.q_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
+        theta, scaling = rope_settings(config)
+        self.rotary_emb = RotaryEmbedding(head_dim, config.max_position_embeddings, theta, scaling)
+        self.attn = Attention(heads, kv_heads, head_dim, head_dim**-0.5, layer_id)
+
+    def _norm_heads(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        t = x.shape[0]
+        return norm(x.view(t, -1, self.head_dim)).view(t, -1)  # type: ignore[union-attr]
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self._norm_heads(q, self.q_norm), self._norm_heads(k, self.k_norm)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v.contiguous(), fb))
+
+
+class DenseMLP(nn.Module):
+    """SwiGLU MLP: down(silu(gate(x)) * up(x)) with gate/up fused and the intermediate dim sharded."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, *, bias: bool, tp: TPGroup) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, [intermediate_size, intermediate_size], bias=bias, tp=tp
+        )
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, tp=tp)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block; the residual stream is carried separately so each norm can fuse the add."""
+
+    def __init__(self, config: Any, self_attn: DecoderAttention, mlp: nn.Module) -> None:
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, fb: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, fb)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class DecoderModel(nn.Module):
+    """Embedding, the layer stack and the final norm (HF's `model.` prefix)."""
+
+    def __init__(self, config: Any, layers: list[DecoderLayer], *, tp: TPGroup) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp=tp)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        hidden = self.embed_tokens(fb.input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(fb.positions, hidden, residual, fb)
+        out, _ = self.norm(hidden, residual)
+        return out
+
+
+MlpFactory = Callable[[Any, int, TPGroup], nn.Module]
+
+
+def dense_mlp(config: Any, layer_id: int, tp: TPGroup) -> nn.Module:
+    return DenseMLP(
+        config.hidden_size, config.intermediate_size, bias=getattr(config, "mlp_bias", False), tp=tp
+    )
+
+
+class CausalLM(nn.Module):
+    """A decoder with an LM head: the object the engine drives (`forward`, `compute_logits`, shapes)."""
+
+    qkv_bias = False
+    qk_norm = False
+
+    def __init__(self, config: Any, *, tp: TPGroup, eos_ids: tuple[int, ...] = ()) -> None:
+        super().__init__()
+        if getattr(config, "use_sliding_window", True) and getattr(config, "sliding_window", None):
+            raise UnsupportedModelError(
+                f"{type(self).__name__} with sliding-window attention (window {config.sliding_window}) "
+                "is not supported"
+            )
+        self.hf_config = config
+        self.tp = tp
+        qkv_bias = self.qkv_bias or bool(getattr(config, "attention_bias", False))
+        layers = [
+            DecoderLayer(
+                config,
+                DecoderAttention(config, i, qkv_bias=qkv_bias, qk_norm=self.qk_norm, tp=tp),
+                self.make_mlp(config, i, tp),
+            )
+            for i in range(config.num_hidden_layers)
+        ]
+        self.model = DecoderModel(config, layers, tp=tp)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp=tp)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+        attn = layers[0].self_attn.attn
+        self.num_layers = config.num_hidden_layers
+        self.num_kv_heads = attn.num_kv_heads
+        self.head_dim = attn.head_dim
+        self.hidden_size = config.hidden_size
+        self.vocab_size = config.vocab_size
+        self.context_len = config.max_position_embeddings
+        self.eos_token_ids = eos_ids or eos_token_ids(config)
+
+    def make_mlp(self, config: Any, layer_id: int, tp: TPGroup) -> nn.Module:
+        return dense_mlp(config, layer_id, tp)
+
+    def map_weight_name(self, name: str) -> tuple[str, Any]:
+        """HF checkpoint tensor name -> (our parameter name, shard id for its weight_loader)."""
+        for piece, (fused, shard_id) in STACKED_PARAMS.items():
+            if piece in name:
+                return name.replace(piece, fused), shard_id
+        return name, None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        """[T] tokens -> final hidden states [T, hidden_size]."""
+        return self.model(fb)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> float32 logits [N, vocab_size], the full vocab on every rank."""
+        return self.lm_head(hidden)
+
+
+class LlamaForCausalLM(CausalLM):
+    pass
+
+
+class MistralForCausalLM(CausalLM):
+    pass
+
+
+class Qwen2ForCausalLM(CausalLM):
+    qkv_bias = True
+
+
+class Qwen3ForCausalLM(CausalLM):
+    qk_norm = True
