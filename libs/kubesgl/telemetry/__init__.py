@@ -1,0 +1,2 @@
+"""Observability for kubesgl services: Prometheus metrics (metrics.py), OpenTelemetry traces (tracing.py)
+and the per-request scheduler timeline that feeds both (scheduler.py)."""

@@ -1,0 +1,414 @@
+"""Every Prometheus metric kubesgl exports: one small class per service, bound to the registry it is given.
+
+Schedulers export SGLang's model-server metrics under SGLang's names, help texts, buckets and `model_name`
+label, so whatever already reads an SGLang server (the Gateway API inference extension's endpoint picker,
+KEDA queries, SGLang's Grafana boards) reads a kubesgl scheduler unchanged. Gateway, tokenizer and
+detokenizer export `kubesgl_*` metrics: requests by status, latency histograms, in-flight gauges and the
+round-trip latency of their NATS requests.
+
+Registries are passed in, never the process-global default, so two services (or two tests) in one
+process never share a metric.
+
+Multiple processes: a scheduler pod with TP > 1 runs one process per GPU, but only rank 0 drives the
+engine loop: it admits every request, receives every output and reads the page pool, while ranks 1..N-1
+run the same batches on their weight shards in lockstep. Rank 0 alone therefore owns a SchedulerMetrics
+and serves /metrics; its numbers are the whole instance's, and exporting from the other ranks would only
+repeat them (a `sum` over pods would double count). Every other service runs one process per pod and
+scales by replicas, which Prometheus tells apart by their pod label, so no metric is ever written from
+two processes and prometheus_client's multiprocess mode is not needed.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from prometheus_client import (
+    CONTENT_TYPE_PLAIN_0_0_4,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.gc_collector import GCCollector
+from prometheus_client.platform_collector import PlatformCollector
+from prometheus_client.process_collector import ProcessCollector
+
+from kubesgl.engine.types import EngineStats
+
+# SGLang's default buckets (python/sglang/srt/metrics/collector.py, TokenizerMetricsCollector).
+TTFT_BUCKETS = (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400)
+# fmt: off
+ITL_BUCKETS = (
+    0.002, 0.004, 0.006, 0.008, 0.010, 0.015, 0.020, 0.025, 0.030, 0.035, 0.040,
+    0.060, 0.080, 0.100, 0.200, 0.400, 0.600, 0.800, 1.0, 2.0, 4.0, 6.0, 8.0,
+)
+E2E_BUCKETS = (
+    0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400, 600, 1200, 1800, 2400,
+)
+# fmt: on
+# Service-internal latencies: a hop is milliseconds, a whole request can take a minute.
+SERVICE_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+NATS_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+
+
+def new_registry() -> CollectorRegistry:
+    """A fresh registry for one service, with the process, GC and platform collectors."""
+    registry = CollectorRegistry(auto_describe=True)
+    ProcessCollector(registry=registry)
+    GCCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    return registry
+
+
+def render(registry: CollectorRegistry) -> tuple[bytes, str]:
+    """The /metrics response body and its content type (text format 0.0.4, which every scraper reads)."""
+    return generate_latest(registry), CONTENT_TYPE_PLAIN_0_0_4
+
+
+class SchedulerMetrics:
+    """SGLang's scheduler and request metrics for one scheduler instance (rank 0 only, see module doc)."""
+
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        model_name: str,
+        page_size: int,
+        num_pages: int,
+        window_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        label = {"model_name": model_name}
+        names = ["model_name"]
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, names, registry=registry).labels(**label)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, names, registry=registry).labels(**label)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, names, buckets=buckets, registry=registry).labels(**label)
+
+        self.num_running_reqs = gauge("sglang:num_running_reqs", "The number of running requests.")
+        self.num_queue_reqs = gauge("sglang:num_queue_reqs", "The number of requests in the waiting queue.")
+        self.token_usage = gauge("sglang:token_usage", "The token usage.")
+        self.cache_hit_rate = gauge("sglang:cache_hit_rate", "The prefix cache hit rate.")
+        self.gen_throughput = gauge("sglang:gen_throughput", "The generation throughput (token/s).")
+        info = Gauge(
+            "sglang:cache_config_info",
+            "Information of the KV cache: page size (tokens) and number of pages.",
+            ["model_name", "page_size", "num_pages"],
+            registry=registry,
+        )
+        info.labels(model_name=model_name, page_size=str(page_size), num_pages=str(num_pages)).set(1)
+        self.prompt_tokens = counter("sglang:prompt_tokens_total", "Number of prefill tokens processed.")
+        self.generation_tokens = counter(
+            "sglang:generation_tokens_total", "Number of generation tokens processed."
+        )
+        self.cached_tokens = counter("sglang:cached_tokens_total", "Number of cached prompt tokens.")
+        self.num_requests = counter("sglang:num_requests_total", "Number of requests processed.")
+        self.num_aborted_requests = counter(
+            "sglang:num_aborted_requests_total", "Number of requests aborted."
+        )
+        self.ttft = histogram(
+            "sglang:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS
+        )
+        self.itl = histogram(
+            "sglang:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS
+        )
+        self.e2e = histogram(
+            "sglang:e2e_request_latency_seconds",
+            "Histogram of End-to-end request latency in seconds",
+            E2E_BUCKETS,
+        )
+        self.nats = NatsMetrics(registry, "scheduler")
+        self._window_s = window_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._totals = _TokenTotals()
+        self._window_start = clock()
+        self._window_totals = _TokenTotals()
+
+    def on_first_token(self, ttft_s: float, prompt_tokens: int, cached_tokens: int) -> None:
+        """A request's prefill finished and produced its first token(s)."""
+        self.ttft.observe(ttft_s)
+        self.prompt_tokens.inc(prompt_tokens)
+        self.cached_tokens.inc(cached_tokens)
+        with self._lock:
+            self._totals.prompt += prompt_tokens
+            self._totals.cached += cached_tokens
+
+    def on_tokens(self, n: int, interval_s: float | None) -> None:
+        """`n` new tokens of one request; `interval_s` since its previous ones (None for the first)."""
+        self.generation_tokens.inc(n)
+        with self._lock:
+            self._totals.generated += n
+        if interval_s is not None and n > 0:
+            # Like SGLang: the interval spread evenly over the tokens it delivered.
+            per_token = interval_s / n
+            for _ in range(n):
+                self.itl.observe(per_token)
+
+    def on_finished(self, e2e_s: float, finish_reason: str | None) -> None:
+        """A request ended: normally, by a limit, or aborted."""
+        self.e2e.observe(e2e_s)
+        self.num_requests.inc()
+        if finish_reason == "abort":
+            self.num_aborted_requests.inc()
+
+    def on_step(self, stats: EngineStats) -> None:
+        """Engine gauges; call at least once per window (e.g. every heartbeat) so rates decay to 0 when idle."""
+        self.num_running_reqs.set(stats.num_running)
+        self.num_queue_reqs.set(stats.num_queued)
+        self.token_usage.set(stats.token_usage)
+        now = self._clock()
+        with self._lock:
+            elapsed = now - self._window_start
+            if elapsed < self._window_s:
+                return
+            delta = self._totals.minus(self._window_totals)
+            self._window_start, self._window_totals = now, self._totals.copy()
+        self.gen_throughput.set(delta.generated / elapsed)
+        # Like SGLang, the rate of the latest prefills; kept as is while nothing is prefilled.
+        if delta.prompt > 0:
+            self.cache_hit_rate.set(delta.cached / delta.prompt)
+
+
+class _TokenTotals:
+    """Token counts since start, kept beside the counters so windows can difference them."""
+
+    def __init__(self, prompt: int = 0, cached: int = 0, generated: int = 0) -> None:
+        self.prompt, self.cached, self.generated = prompt, cached, generated
+
+    def copy(self) -> _TokenTotals:
+        return _TokenTotals(self.prompt, self.cached, self.generated)
+
+    def minus(self, other: _TokenTotals) -> _TokenTotals:
+        return _TokenTotals(
+            self.prompt - other.prompt, self.cached - other.cached, self.generated - other.generated
+        )
+
+
+class NatsMetrics:
+    """Round-trip latency and outcome of a service's NATS requests, and its reconnects."""
+
+    def __init__(self, registry: CollectorRegistry, service: str) -> None:
+        self._rtt = Histogram(
+            "kubesgl_nats_request_duration_seconds",
+            "Round trip of a NATS request until its reply, by target subject kind and outcome.",
+            ["service", "target", "outcome"],
+            buckets=NATS_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self._reconnects = Counter(
+            "kubesgl_nats_reconnects_total", "Reconnections to NATS.", ["service"], registry=registry
+        ).labels(service=service)
+        self._service = service
+
+    @contextmanager
+    def request(self, target: str) -> Iterator[None]:
+        """Times one request/reply to `target` ("tokenize", "generate", "detok", ...); the outcome is
+        "ok", or derived from the exception that escapes (which is re-raised)."""
+        start = time.perf_counter()
+        outcome = "ok"
+        try:
+            yield
+        except BaseException as e:
+            outcome = _outcome(e)
+            raise
+        finally:
+            self._rtt.labels(service=self._service, target=target, outcome=outcome).observe(
+                time.perf_counter() - start
+            )
+
+    def on_reconnect(self) -> None:
+        self._reconnects.inc()
+
+
+def _outcome(error: BaseException) -> str:
+    # By class name so this module needs no NATS import; nats-py raises TimeoutError / NoRespondersError.
+    name = type(error).__name__
+    if "Timeout" in name:
+        return "timeout"
+    if "NoResponders" in name:
+        return "no_responders"
+    if name == "CancelledError":
+        return "cancelled"
+    return "error"
+
+
+class StageMetrics:
+    """Requests by status, their latency and how many are in flight, for one NATS-driven service."""
+
+    def __init__(self, registry: CollectorRegistry, service: str) -> None:
+        self._requests = Counter(
+            f"kubesgl_{service}_requests_total",
+            f"Messages the {service} handled, by status.",
+            ["status"],
+            registry=registry,
+        )
+        self._duration = Histogram(
+            f"kubesgl_{service}_request_duration_seconds",
+            f"Time the {service} spent on one message until its reply.",
+            buckets=SERVICE_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self._in_flight = Gauge(
+            f"kubesgl_{service}_requests_in_flight",
+            f"Messages the {service} is handling now.",
+            registry=registry,
+        )
+
+    @contextmanager
+    def track(self) -> Iterator[RequestStatus]:
+        """Wraps the handling of one message; set `.status` to the HTTP-style code it ended with (an
+        exception that escapes counts as 500)."""
+        status = RequestStatus()
+        start = time.perf_counter()
+        self._in_flight.inc()
+        try:
+            yield status
+        except BaseException:
+            status.status = 500
+            raise
+        finally:
+            self._in_flight.dec()
+            self._duration.observe(time.perf_counter() - start)
+            self._requests.labels(status=str(status.status)).inc()
+
+
+class RequestStatus:
+    """The outcome of one tracked request, filled in by the handler."""
+
+    def __init__(self) -> None:
+        self.status = 200
+
+
+class TokenizerMetrics:
+    """The tokenizer: its requests (tokenize + admission at a scheduler), tokenization time, NATS."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = StageMetrics(registry, "tokenizer")
+        self.nats = NatsMetrics(registry, "tokenizer")
+        self._tokenize = Histogram(
+            "kubesgl_tokenizer_tokenize_duration_seconds",
+            "CPU time to apply the chat template and tokenize one prompt.",
+            buckets=SERVICE_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self._prompt_tokens = Counter(
+            "kubesgl_tokenizer_prompt_tokens_total", "Prompt tokens produced.", registry=registry
+        )
+
+    def on_tokenized(self, seconds: float, prompt_tokens: int) -> None:
+        self._tokenize.observe(seconds)
+        self._prompt_tokens.inc(prompt_tokens)
+
+
+class DetokenizerMetrics:
+    """The detokenizer: its TokenDeltas by status and latency, tokens decoded, NATS."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = StageMetrics(registry, "detokenizer")
+        self.nats = NatsMetrics(registry, "detokenizer")
+        self._tokens = Counter(
+            "kubesgl_detokenizer_tokens_total", "New tokens turned into text.", registry=registry
+        )
+
+    def on_decoded(self, new_tokens: int) -> None:
+        self._tokens.inc(new_tokens)
+
+
+class GatewayMetrics:
+    """The gateway: client requests by model, endpoint and status; client-side TTFT/ITL; NATS requests."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.nats = NatsMetrics(registry, "gateway")
+        self._requests = Counter(
+            "kubesgl_gateway_requests_total",
+            "HTTP requests answered, by model, endpoint and status code.",
+            ["model", "endpoint", "status"],
+            registry=registry,
+        )
+        self._duration = Histogram(
+            "kubesgl_gateway_request_duration_seconds",
+            "HTTP request latency until the last byte, by model and endpoint.",
+            ["model", "endpoint"],
+            buckets=E2E_BUCKETS,
+            registry=registry,
+        )
+        self._in_flight = Gauge(
+            "kubesgl_gateway_requests_in_flight",
+            "HTTP requests being answered now.",
+            ["model"],
+            registry=registry,
+        )
+        # Same buckets as the scheduler's sglang:* histograms so the two can be compared bucket by bucket.
+        self._ttft = Histogram(
+            "kubesgl_gateway_time_to_first_token_seconds",
+            "Time from receiving the HTTP request to sending its first token.",
+            ["model"],
+            buckets=TTFT_BUCKETS,
+            registry=registry,
+        )
+        self._itl = Histogram(
+            "kubesgl_gateway_inter_token_latency_seconds",
+            "Time between tokens as sent to the client.",
+            ["model"],
+            buckets=ITL_BUCKETS,
+            registry=registry,
+        )
+        self._tokens = Counter(
+            "kubesgl_gateway_completion_tokens_total",
+            "Completion tokens sent to clients.",
+            ["model"],
+            registry=registry,
+        )
+
+    def request(self, model: str, endpoint: str) -> GatewayRequestMetrics:
+        """Starts timing one HTTP request. `model` must be a served model id or "unknown" (an arbitrary
+        client string would make label values unbounded); `endpoint` the route, e.g. "/v1/chat/completions"."""
+        return GatewayRequestMetrics(self, model, endpoint)
+
+
+class GatewayRequestMetrics:
+    """One HTTP request's timer: in flight from creation until finish()."""
+
+    def __init__(self, metrics: GatewayMetrics, model: str, endpoint: str) -> None:
+        self._m = metrics
+        self._model, self._endpoint = model, endpoint
+        self._start = time.perf_counter()
+        self._last_token: float | None = None
+        self._finished = False
+        metrics._in_flight.labels(model=model).inc()
+
+    def on_tokens(self, n: int) -> None:
+        """`n` new tokens were sent to the client (the first call is the time to first token)."""
+        if n <= 0:
+            return
+        now = time.perf_counter()
+        if self._last_token is None:
+            self._m._ttft.labels(model=self._model).observe(now - self._start)
+        else:
+            per_token = (now - self._last_token) / n
+            for _ in range(n):
+                self._m._itl.labels(model=self._model).observe(per_token)
+        self._last_token = now
+        self._m._tokens.labels(model=self._model).inc(n)
+
+    def finish(self, status: int) -> None:
+        """The response ended with HTTP `status` (for a stream: 200, or the error status sent in it).
+        Only the first call counts, so every exit path may call it."""
+        if self._finished:
+            return
+        self._finished = True
+        m = self._m
+        m._in_flight.labels(model=self._model).dec()
+        m._duration.labels(model=self._model, endpoint=self._endpoint).observe(
+            time.perf_counter() - self._start
+        )
+        m._requests.labels(model=self._model, endpoint=self._endpoint, status=str(status)).inc()

@@ -1,0 +1,151 @@
+"""What a scheduler instance reports about each request it runs: SGLang's request metrics and the
+queue -> prefill -> decode spans, both timed from the GenerateRequest's arrival and the engine's outputs.
+
+The engine does not say when a request leaves the waiting queue, so prefill is timed as the engine step
+that produced the first token (with chunked prefill: the last chunk) and queue as everything before it.
+The service calls, in its loop: on_arrival() when it admits a GenerateRequest, on_step_start() before
+engine.step(), on_outputs() with what the step returned (it answers the `traceparent` for each request's
+TokenDelta), on_abort() when it drops a request itself, and on_step() with engine stats about once a second.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+from opentelemetry.context import Context
+from opentelemetry.trace import Span, Status, StatusCode
+
+from kubesgl.engine.types import EngineStats, RequestOutput
+from kubesgl.telemetry.metrics import SchedulerMetrics
+from kubesgl.telemetry.tracing import (
+    ATTR_CACHED_TOKENS,
+    ATTR_FINISH_REASON,
+    ATTR_INSTANCE,
+    ATTR_MODEL,
+    ATTR_OUTPUT_TOKENS,
+    ATTR_PROMPT_TOKENS,
+    ATTR_RID,
+    SPAN_DECODE,
+    SPAN_PREFILL,
+    SPAN_QUEUE,
+    Tracing,
+    extract,
+    traceparent,
+)
+
+
+@dataclass
+class _Timeline:
+    """One running request: when it arrived, its trace parent, the span open now, its last token time."""
+
+    arrival_s: float
+    arrival_ns: int
+    parent: Context
+    current: Span  # queue until the first token, then decode
+    decoding: bool = False
+    last_token_s: float = 0.0
+
+
+class SchedulerTelemetry:
+    """Per-request timing for one scheduler instance; safe to call from the engine thread and the event loop."""
+
+    def __init__(
+        self,
+        metrics: SchedulerMetrics,
+        tracing: Tracing,
+        instance_id: str,
+        model: str,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.metrics = metrics
+        self._tracing = tracing
+        self._attrs = {ATTR_INSTANCE: instance_id, ATTR_MODEL: model}
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._requests: dict[str, _Timeline] = {}
+        self._step_start_ns = 0
+
+    def on_arrival(self, rid: str, headers: Mapping[str, str] | None, prompt_tokens: int) -> None:
+        """A GenerateRequest was admitted; a repeated rid (an idempotent retry) changes nothing."""
+        now_s, now_ns = self._clock(), time.time_ns()
+        with self._lock:
+            if rid in self._requests:
+                return
+            parent = extract(headers)
+            attrs = {**self._attrs, ATTR_RID: rid, ATTR_PROMPT_TOKENS: prompt_tokens}
+            queue = self._tracing.start_span(SPAN_QUEUE, parent, attrs, start_time_ns=now_ns)
+            self._requests[rid] = _Timeline(now_s, now_ns, parent, queue)
+
+    def on_step_start(self) -> None:
+        """The engine is about to run a step (its start is when this step's prefills began)."""
+        self._step_start_ns = time.time_ns()
+
+    def on_outputs(self, outputs: Iterable[RequestOutput]) -> dict[str, str | None]:
+        """Records one step's outputs; returns each request's `traceparent` for the TokenDelta it causes."""
+        now_s, now_ns = self._clock(), time.time_ns()
+        parents: dict[str, str | None] = {}
+        with self._lock:
+            for out in outputs:
+                t = self._requests.get(out.rid)
+                if t is None:
+                    continue
+                if out.new_token_ids:
+                    self._on_tokens(out, t, now_s, now_ns)
+                parents[out.rid] = traceparent(t.current)
+                if out.finished:
+                    del self._requests[out.rid]
+                    self._finish(t, out.finish_reason, out.completion_tokens, out.error, now_s, now_ns)
+        return parents
+
+    def on_abort(self, rid: str) -> None:
+        """The service dropped a request (client abort, deadline, drain) without a final engine output."""
+        now_s, now_ns = self._clock(), time.time_ns()
+        with self._lock:
+            t = self._requests.pop(rid, None)
+            if t is not None:
+                self._finish(t, "abort", None, None, now_s, now_ns)
+
+    def on_step(self, stats: EngineStats) -> None:
+        self.metrics.on_step(stats)
+
+    def _on_tokens(self, out: RequestOutput, t: _Timeline, now_s: float, now_ns: int) -> None:
+        n = len(out.new_token_ids)
+        if t.decoding:
+            self.metrics.on_tokens(n, now_s - t.last_token_s)
+        else:
+            self.metrics.on_first_token(now_s - t.arrival_s, out.prompt_tokens, out.cached_tokens)
+            self.metrics.on_tokens(n, None)
+            prefill_start_ns = max(t.arrival_ns, self._step_start_ns)
+            t.current.end(end_time=prefill_start_ns)
+            attrs = {
+                **self._attrs,
+                ATTR_PROMPT_TOKENS: out.prompt_tokens,
+                ATTR_CACHED_TOKENS: out.cached_tokens,
+            }
+            prefill = self._tracing.start_span(SPAN_PREFILL, t.parent, attrs, start_time_ns=prefill_start_ns)
+            prefill.end(end_time=now_ns)
+            t.current = self._tracing.start_span(SPAN_DECODE, t.parent, self._attrs, start_time_ns=now_ns)
+            t.decoding = True
+        t.last_token_s = now_s
+
+    def _finish(
+        self,
+        t: _Timeline,
+        finish_reason: str | None,
+        completion_tokens: int | None,
+        error: str | None,
+        now_s: float,
+        now_ns: int,
+    ) -> None:
+        self.metrics.on_finished(now_s - t.arrival_s, finish_reason)
+        span = t.current
+        if finish_reason:
+            span.set_attribute(ATTR_FINISH_REASON, [finish_reason])
+        if completion_tokens is not None:
+            span.set_attribute(ATTR_OUTPUT_TOKENS, completion_tokens)
+        if error or finish_reason == "abort":
+            span.set_status(Status(StatusCode.ERROR, error or "aborted"))
+        span.end(end_time=now_ns)

@@ -1,0 +1,267 @@
+"""The Prometheus metrics each service exports: SGLang's scheduler metrics and the kubesgl_* service metrics."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from kubesgl.engine.types import EngineStats
+from kubesgl.telemetry.metrics import (
+    DetokenizerMetrics,
+    GatewayMetrics,
+    NatsMetrics,
+    SchedulerMetrics,
+    StageMetrics,
+    TokenizerMetrics,
+    new_registry,
+    render,
+)
+from prometheus_client import CollectorRegistry
+
+MODEL = {"model_name": "qwen3-tiny"}
+
+# Copied from SGLang (python/sglang/srt/metrics/collector.py) so a change to ours is caught here.
+SGLANG_TTFT = [0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400]
+SGLANG_ITL = [
+    0.002,
+    0.004,
+    0.006,
+    0.008,
+    0.01,
+    0.015,
+    0.02,
+    0.025,
+    0.03,
+    0.035,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.2,
+    0.4,
+]
+SGLANG_ITL += [0.6, 0.8, 1.0, 2.0, 4.0, 6.0, 8.0]
+SGLANG_E2E = [
+    0.1,
+    0.2,
+    0.4,
+    0.6,
+    0.8,
+    1,
+    2,
+    4,
+    6,
+    8,
+    10,
+    20,
+    40,
+    60,
+    80,
+    100,
+    200,
+    400,
+    600,
+    1200,
+    1800,
+    2400,
+]
+
+
+class FakeClock:
+    """Stands in for time.monotonic so windows can be stepped exactly."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def stats(running: int = 0, queued: int = 0, available: int = 100, total: int = 100) -> EngineStats:
+    return EngineStats(
+        num_running=running,
+        num_queued=queued,
+        free_pages=available,
+        available_pages=available,
+        total_pages=total,
+        cached_prefix_pages=0,
+    )
+
+
+def scheduler(clock: FakeClock | None = None) -> tuple[CollectorRegistry, SchedulerMetrics]:
+    registry = CollectorRegistry()
+    return registry, SchedulerMetrics(
+        registry, "qwen3-tiny", page_size=16, num_pages=100, clock=clock or FakeClock()
+    )
+
+
+def bucket_bounds(registry: CollectorRegistry, name: str) -> list[float]:
+    text = render(registry)[0].decode()
+    bounds = re.findall(rf'^{re.escape(name)}_bucket\{{[^}}]*le="([^"]+)"', text, flags=re.M)
+    return [float(b) for b in bounds if b != "+Inf"]
+
+
+def test_scheduler_histograms_use_sglang_names_and_buckets() -> None:
+    registry, m = scheduler()
+    m.on_first_token(0.5, 10, 0)
+    m.on_tokens(2, 0.01)
+    m.on_finished(1.0, "stop")
+    assert bucket_bounds(registry, "sglang:time_to_first_token_seconds") == SGLANG_TTFT
+    assert bucket_bounds(registry, "sglang:inter_token_latency_seconds") == SGLANG_ITL
+    assert bucket_bounds(registry, "sglang:e2e_request_latency_seconds") == SGLANG_E2E
+
+
+def test_cache_config_info_names_page_size_and_pages() -> None:
+    registry, _ = scheduler()
+    labels = {**MODEL, "page_size": "16", "num_pages": "100"}
+    assert registry.get_sample_value("sglang:cache_config_info", labels) == 1
+
+
+def test_first_token_counts_prompt_and_cached_tokens() -> None:
+    registry, m = scheduler()
+    m.on_first_token(0.3, prompt_tokens=40, cached_tokens=32)
+    m.on_tokens(1, None)
+    assert registry.get_sample_value("sglang:prompt_tokens_total", MODEL) == 40
+    assert registry.get_sample_value("sglang:cached_tokens_total", MODEL) == 32
+    assert registry.get_sample_value("sglang:generation_tokens_total", MODEL) == 1
+    assert registry.get_sample_value("sglang:time_to_first_token_seconds_count", MODEL) == 1
+    assert registry.get_sample_value("sglang:time_to_first_token_seconds_bucket", {**MODEL, "le": "0.2"}) == 0
+    assert registry.get_sample_value("sglang:time_to_first_token_seconds_bucket", {**MODEL, "le": "0.4"}) == 1
+    # The first token has no inter-token interval.
+    assert registry.get_sample_value("sglang:inter_token_latency_seconds_count", MODEL) == 0
+
+
+def test_inter_token_interval_is_spread_over_its_tokens() -> None:
+    registry, m = scheduler()
+    m.on_tokens(4, 0.08)
+    assert registry.get_sample_value("sglang:inter_token_latency_seconds_count", MODEL) == 4
+    assert registry.get_sample_value("sglang:inter_token_latency_seconds_sum", MODEL) == pytest.approx(0.08)
+    assert (
+        registry.get_sample_value("sglang:inter_token_latency_seconds_bucket", {**MODEL, "le": "0.015"}) == 0
+    )
+    assert (
+        registry.get_sample_value("sglang:inter_token_latency_seconds_bucket", {**MODEL, "le": "0.02"}) == 4
+    )
+    assert registry.get_sample_value("sglang:generation_tokens_total", MODEL) == 4
+
+
+def test_step_sets_running_queued_and_token_usage() -> None:
+    registry, m = scheduler()
+    m.on_step(stats(running=3, queued=5, available=25, total=100))
+    assert registry.get_sample_value("sglang:num_running_reqs", MODEL) == 3
+    assert registry.get_sample_value("sglang:num_queue_reqs", MODEL) == 5
+    assert registry.get_sample_value("sglang:token_usage", MODEL) == pytest.approx(0.75)
+
+
+def test_gen_throughput_and_cache_hit_rate_cover_the_last_window() -> None:
+    clock = FakeClock()
+    registry, m = scheduler(clock)
+    m.on_first_token(0.1, prompt_tokens=100, cached_tokens=25)
+    m.on_tokens(50, None)
+    clock.now += 0.5
+    m.on_step(stats())  # inside the window: nothing computed yet
+    assert registry.get_sample_value("sglang:gen_throughput", MODEL) == 0
+    clock.now += 1.5
+    m.on_step(stats())
+    assert registry.get_sample_value("sglang:gen_throughput", MODEL) == pytest.approx(25.0)
+    assert registry.get_sample_value("sglang:cache_hit_rate", MODEL) == pytest.approx(0.25)
+    # An idle window: throughput decays to 0, the hit rate of the last prefills stays.
+    clock.now += 1.0
+    m.on_step(stats())
+    assert registry.get_sample_value("sglang:gen_throughput", MODEL) == 0
+    assert registry.get_sample_value("sglang:cache_hit_rate", MODEL) == pytest.approx(0.25)
+
+
+def test_abort_counts_as_request_and_aborted() -> None:
+    registry, m = scheduler()
+    m.on_finished(2.0, "stop")
+    m.on_finished(3.0, "abort")
+    assert registry.get_sample_value("sglang:num_requests_total", MODEL) == 2
+    assert registry.get_sample_value("sglang:num_aborted_requests_total", MODEL) == 1
+    assert registry.get_sample_value("sglang:e2e_request_latency_seconds_count", MODEL) == 2
+
+
+def test_two_services_in_one_process_keep_separate_metrics() -> None:
+    (r1, m1), (r2, _) = scheduler(), scheduler()
+    m1.on_tokens(3, None)
+    assert r1.get_sample_value("sglang:generation_tokens_total", MODEL) == 3
+    assert r2.get_sample_value("sglang:generation_tokens_total", MODEL) == 0
+    # Tokenizer, detokenizer and gateway can also share one registry without name clashes.
+    shared = CollectorRegistry()
+    TokenizerMetrics(shared)
+    DetokenizerMetrics(CollectorRegistry())
+    GatewayMetrics(CollectorRegistry())
+
+
+def test_stage_tracks_status_latency_and_in_flight() -> None:
+    registry = CollectorRegistry()
+    stage = StageMetrics(registry, "tokenizer")
+    with stage.track() as outcome:
+        assert registry.get_sample_value("kubesgl_tokenizer_requests_in_flight") == 1
+        outcome.status = 400
+    with stage.track():
+        pass
+    with pytest.raises(RuntimeError), stage.track():
+        raise RuntimeError("boom")
+    assert registry.get_sample_value("kubesgl_tokenizer_requests_in_flight") == 0
+    assert registry.get_sample_value("kubesgl_tokenizer_requests_total", {"status": "400"}) == 1
+    assert registry.get_sample_value("kubesgl_tokenizer_requests_total", {"status": "200"}) == 1
+    assert registry.get_sample_value("kubesgl_tokenizer_requests_total", {"status": "500"}) == 1
+    assert registry.get_sample_value("kubesgl_tokenizer_request_duration_seconds_count") == 3
+
+
+class TimeoutError(Exception):  # noqa: A001 - the name nats-py's timeout carries
+    """Named like nats.errors.TimeoutError, which the outcome label is derived from."""
+
+
+class NoRespondersError(Exception):
+    """Named like nats.errors.NoRespondersError."""
+
+
+def test_nats_request_outcome_follows_the_exception() -> None:
+    registry = CollectorRegistry()
+    nats = NatsMetrics(registry, "gateway")
+    with nats.request("tokenize"):
+        pass
+    for error in (TimeoutError, NoRespondersError, ValueError):
+        with pytest.raises(error), nats.request("tokenize"):
+            raise error()
+    nats.on_reconnect()
+
+    def count(outcome: str) -> float | None:
+        labels = {"service": "gateway", "target": "tokenize", "outcome": outcome}
+        return registry.get_sample_value("kubesgl_nats_request_duration_seconds_count", labels)
+
+    assert [count(o) for o in ("ok", "timeout", "no_responders", "error")] == [1, 1, 1, 1]
+    assert registry.get_sample_value("kubesgl_nats_reconnects_total", {"service": "gateway"}) == 1
+
+
+def test_gateway_request_records_ttft_itl_and_status_once() -> None:
+    registry = CollectorRegistry()
+    gw = GatewayMetrics(registry)
+    req = gw.request("qwen3-tiny", "/v1/chat/completions")
+    assert registry.get_sample_value("kubesgl_gateway_requests_in_flight", {"model": "qwen3-tiny"}) == 1
+    req.on_tokens(1)
+    req.on_tokens(3)
+    req.on_tokens(0)
+    req.finish(200)
+    req.finish(500)  # a second exit path: ignored
+    model = {"model": "qwen3-tiny"}
+    route = {**model, "endpoint": "/v1/chat/completions"}
+    assert registry.get_sample_value("kubesgl_gateway_requests_in_flight", model) == 0
+    assert registry.get_sample_value("kubesgl_gateway_time_to_first_token_seconds_count", model) == 1
+    assert registry.get_sample_value("kubesgl_gateway_inter_token_latency_seconds_count", model) == 3
+    assert registry.get_sample_value("kubesgl_gateway_completion_tokens_total", model) == 4
+    assert registry.get_sample_value("kubesgl_gateway_requests_total", {**route, "status": "200"}) == 1
+    assert registry.get_sample_value("kubesgl_gateway_requests_total", {**route, "status": "500"}) is None
+    assert registry.get_sample_value("kubesgl_gateway_request_duration_seconds_count", route) == 1
+
+
+def test_render_serves_prometheus_text_with_process_metrics() -> None:
+    registry = new_registry()
+    SchedulerMetrics(registry, "qwen3-tiny", page_size=1, num_pages=10)
+    body, content_type = render(registry)
+    assert content_type.startswith("text/plain; version=0.0.4")
+    text = body.decode()
+    assert 'sglang:num_running_reqs{model_name="qwen3-tiny"} 0.0' in text
+    assert "process_resident_memory_bytes" in text
