@@ -1,0 +1,357 @@
+{{/* Names, labels and the pod fragments every kubesgl component shares. */}}
+
+{{- define "kubesgl.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "kubesgl.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Name of one component's objects: kubesgl.componentName (dict "root" $ "component" "gateway"). */}}
+{{- define "kubesgl.componentName" -}}
+{{- printf "%s-%s" (include "kubesgl.fullname" .root | trunc 50 | trimSuffix "-") .component -}}
+{{- end -}}
+
+{{- define "kubesgl.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Selector labels of one component: (dict "root" $ "component" "gateway"). */}}
+{{- define "kubesgl.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "kubesgl.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{/* Full labels of one component's objects. */}}
+{{- define "kubesgl.labels" -}}
+{{ include "kubesgl.selectorLabels" . }}
+helm.sh/chart: {{ include "kubesgl.chart" .root }}
+app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .root.Release.Service }}
+app.kubernetes.io/part-of: kubesgl
+{{- with .root.Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/* Pod labels: selector labels plus the label NetworkPolicy uses to let a pod reach NATS. */}}
+{{- define "kubesgl.podLabels" -}}
+{{ include "kubesgl.selectorLabels" . }}
+kubesgl.io/nats-client: "true"
+{{- end -}}
+
+{{- define "kubesgl.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "kubesgl.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Image reference from an image block: (dict "image" .Values.image.cpu "root" $). */}}
+{{- define "kubesgl.image" -}}
+{{- if .image.digest -}}
+{{- printf "%s@%s" .image.repository .image.digest -}}
+{{- else -}}
+{{- printf "%s:%s" .image.repository (default .root.Chart.AppVersion .image.tag) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The image block the scheduler runs: CUDA for GPU pods, CPU otherwise. */}}
+{{- define "kubesgl.schedulerImage" -}}
+{{- if eq .Values.scheduler.device "cuda" -}}
+{{- toYaml .Values.image.cuda -}}
+{{- else -}}
+{{- toYaml .Values.image.cpu -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Model name clients use. */}}
+{{- define "kubesgl.servedModelName" -}}
+{{- if .Values.model.servedName -}}
+{{- .Values.model.servedName -}}
+{{- else if eq .Values.model.source "huggingface" -}}
+{{- .Values.model.huggingface.repo -}}
+{{- else if eq .Values.model.source "pvc" -}}
+{{- default .Values.model.pvc.claimName .Values.model.pvc.subPath -}}
+{{- else -}}
+demo
+{{- end -}}
+{{- end -}}
+
+{{/* The --model argument: a directory under the model mount, or "demo". */}}
+{{- define "kubesgl.modelPath" -}}
+{{- if eq .Values.model.source "demo" -}}
+demo
+{{- else if eq .Values.model.source "pvc" -}}
+{{- if .Values.model.pvc.subPath -}}
+{{- printf "%s/%s" .Values.model.mountPath .Values.model.pvc.subPath -}}
+{{- else -}}
+{{- .Values.model.mountPath -}}
+{{- end -}}
+{{- else -}}
+{{- printf "%s/%s" .Values.model.mountPath (.Values.model.huggingface.repo | replace "/" "--") -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "kubesgl.natsAuthSecretName" -}}
+{{- if .Values.nats.auth.existingSecret -}}
+{{- .Values.nats.auth.existingSecret -}}
+{{- else -}}
+{{- printf "%s-auth" (include "kubesgl.componentName" (dict "root" . "component" "nats")) -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "kubesgl.natsUrl" -}}
+{{- if eq .Values.nats.mode "external" -}}
+{{- .Values.nats.external.url -}}
+{{- else -}}
+{{- printf "%s://%s:4222" (ternary "tls" "nats" .Values.nats.tls.enabled) (include "kubesgl.componentName" (dict "root" . "component" "nats")) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* NATS connection env (URL, credentials, TLS files) for every kubesgl container. */}}
+{{- define "kubesgl.natsEnv" -}}
+- name: KUBESGL_NATS_URL
+  value: {{ include "kubesgl.natsUrl" . | quote }}
+{{- if eq .Values.nats.auth.mode "token" }}
+- name: KUBESGL_NATS_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "kubesgl.natsAuthSecretName" . }}
+      key: {{ .Values.nats.auth.tokenKey }}
+{{- else if eq .Values.nats.auth.mode "userPassword" }}
+- name: KUBESGL_NATS_USER
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "kubesgl.natsAuthSecretName" . }}
+      key: {{ .Values.nats.auth.userKey }}
+- name: KUBESGL_NATS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "kubesgl.natsAuthSecretName" . }}
+      key: {{ .Values.nats.auth.passwordKey }}
+{{- end }}
+{{- if .Values.nats.tls.enabled }}
+- name: KUBESGL_NATS_TLS_CA
+  value: /etc/kubesgl/nats-tls/ca.crt
+{{- if .Values.nats.tls.clientCert }}
+- name: KUBESGL_NATS_TLS_CERT
+  value: /etc/kubesgl/nats-tls/tls.crt
+- name: KUBESGL_NATS_TLS_KEY
+  value: /etc/kubesgl/nats-tls/tls.key
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* OpenTelemetry env: (dict "root" $ "component" "gateway"); SDK disabled unless an endpoint is set. */}}
+{{- define "kubesgl.otelEnv" -}}
+- name: OTEL_SERVICE_NAME
+  value: kubesgl-{{ .component }}
+- name: POD_NAME
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.name
+- name: POD_NAMESPACE
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.namespace
+- name: OTEL_RESOURCE_ATTRIBUTES
+  value: k8s.pod.name=$(POD_NAME),k8s.namespace.name=$(POD_NAMESPACE),service.namespace=$(POD_NAMESPACE)
+{{- with .root.Values.tracing }}
+{{- if .otlpEndpoint }}
+- name: OTEL_EXPORTER_OTLP_ENDPOINT
+  value: {{ .otlpEndpoint | quote }}
+- name: OTEL_EXPORTER_OTLP_PROTOCOL
+  value: {{ .protocol | quote }}
+- name: OTEL_TRACES_SAMPLER
+  value: {{ .sampler | quote }}
+- name: OTEL_TRACES_SAMPLER_ARG
+  value: {{ .samplerArg | quote }}
+{{- else }}
+- name: OTEL_SDK_DISABLED
+  value: "true"
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* Writable scratch for a read-only root: /tmp and the cache directory the images point XDG/HF/Triton at. */}}
+{{- define "kubesgl.scratchVolumeMounts" -}}
+- name: tmp
+  mountPath: /tmp
+- name: cache
+  mountPath: /cache
+{{- if .Values.nats.tls.enabled }}
+- name: nats-tls
+  mountPath: /etc/kubesgl/nats-tls
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{- define "kubesgl.scratchVolumes" -}}
+- name: tmp
+  emptyDir:
+    sizeLimit: 1Gi
+- name: cache
+  emptyDir:
+    sizeLimit: 10Gi
+{{- if .Values.nats.tls.enabled }}
+- name: nats-tls
+  secret:
+    secretName: {{ .Values.nats.tls.existingSecret }}
+{{- end }}
+{{- end -}}
+
+{{/* Model files for tokenizer/detokenizer: the shared PVC read-only, or the tokenizer files downloaded once. */}}
+{{- define "kubesgl.tokenizerModelVolumes" -}}
+{{- if eq .Values.model.source "pvc" }}
+- name: model
+  persistentVolumeClaim:
+    claimName: {{ .Values.model.pvc.claimName }}
+    readOnly: true
+{{- else if eq .Values.model.source "huggingface" }}
+- name: model
+  emptyDir:
+    sizeLimit: 1Gi
+{{- end }}
+{{- end -}}
+
+{{- define "kubesgl.modelVolumeMount" -}}
+{{- if ne .Values.model.source "demo" }}
+- name: model
+  mountPath: {{ .Values.model.mountPath }}
+  readOnly: {{ ne .Values.model.source "huggingface" }}
+{{- end }}
+{{- end -}}
+
+{{/* Init container downloading a Hugging Face snapshot: (dict "root" $ "patterns" list-or-nil). */}}
+{{- define "kubesgl.modelDownloadInitContainer" -}}
+{{- $v := .root.Values -}}
+- name: model-download
+  image: {{ include "kubesgl.image" (dict "image" $v.image.cpu "root" .root) }}
+  imagePullPolicy: {{ $v.image.cpu.pullPolicy }}
+  command:
+    - python
+    - -c
+    - |
+      import os
+      from huggingface_hub import snapshot_download
+      patterns = os.environ.get("HF_ALLOW_PATTERNS")
+      snapshot_download(
+          repo_id=os.environ["HF_MODEL_REPO"],
+          revision=os.environ["HF_MODEL_REVISION"],
+          local_dir=os.environ["HF_MODEL_DIR"],
+          allow_patterns=patterns.split(",") if patterns else None,
+      )
+  env:
+    - name: HF_MODEL_REPO
+      value: {{ $v.model.huggingface.repo | quote }}
+    - name: HF_MODEL_REVISION
+      value: {{ $v.model.huggingface.revision | quote }}
+    - name: HF_MODEL_DIR
+      value: {{ include "kubesgl.modelPath" .root | quote }}
+    {{- with .patterns }}
+    - name: HF_ALLOW_PATTERNS
+      value: {{ join "," . | quote }}
+    {{- end }}
+    - name: HF_HUB_DISABLE_TELEMETRY
+      value: "1"
+    {{- if $v.model.huggingface.tokenSecret.name }}
+    - name: HF_TOKEN
+      valueFrom:
+        secretKeyRef:
+          name: {{ $v.model.huggingface.tokenSecret.name }}
+          key: {{ $v.model.huggingface.tokenSecret.key }}
+    {{- end }}
+  securityContext:
+    {{- toYaml $v.containerSecurityContext | nindent 4 }}
+  resources:
+    {{- toYaml $v.model.huggingface.downloadResources | nindent 4 }}
+  volumeMounts:
+    - name: model
+      mountPath: {{ $v.model.mountPath }}
+    - name: tmp
+      mountPath: /tmp
+    - name: cache
+      mountPath: /cache
+{{- end -}}
+
+{{/* Prometheus scrape annotations: (dict "root" $ "port" 9000). */}}
+{{- define "kubesgl.scrapeAnnotations" -}}
+{{- if .root.Values.metrics.podAnnotations }}
+prometheus.io/scrape: "true"
+prometheus.io/port: {{ .port | quote }}
+prometheus.io/path: /metrics
+{{- end }}
+{{- end -}}
+
+{{/* Admin-port probes shared by tokenizer and detokenizer. */}}
+{{- define "kubesgl.adminProbes" -}}
+readinessProbe:
+  httpGet:
+    path: /ready
+    port: admin
+  periodSeconds: 5
+  failureThreshold: 3
+livenessProbe:
+  httpGet:
+    path: /health
+    port: admin
+  periodSeconds: 10
+  timeoutSeconds: 5
+  failureThreshold: 6
+{{- end -}}
+
+{{/* CPU-utilisation HPA for a Deployment component: (dict "root" $ "component" "gateway" "autoscaling" ...). */}}
+{{- define "kubesgl.hpa" -}}
+{{- if .autoscaling.enabled }}
+apiVersion: autoscaling/v2
+kind: HorizontalPodAutoscaler
+metadata:
+  name: {{ include "kubesgl.componentName" . }}
+  labels:
+    {{- include "kubesgl.labels" . | nindent 4 }}
+spec:
+  scaleTargetRef:
+    apiVersion: apps/v1
+    kind: Deployment
+    name: {{ include "kubesgl.componentName" . }}
+  minReplicas: {{ .autoscaling.minReplicas }}
+  maxReplicas: {{ .autoscaling.maxReplicas }}
+  metrics:
+    - type: Resource
+      resource:
+        name: cpu
+        target:
+          type: Utilization
+          averageUtilization: {{ .autoscaling.targetCPUUtilizationPercentage }}
+{{- end }}
+{{- end -}}
+
+{{/* PodDisruptionBudget for a component: (dict "root" $ "component" "gateway" "pdb" ...). */}}
+{{- define "kubesgl.pdb" -}}
+{{- if .pdb.enabled }}
+apiVersion: policy/v1
+kind: PodDisruptionBudget
+metadata:
+  name: {{ include "kubesgl.componentName" . }}
+  labels:
+    {{- include "kubesgl.labels" . | nindent 4 }}
+spec:
+  maxUnavailable: {{ .pdb.maxUnavailable }}
+  selector:
+    matchLabels:
+      {{- include "kubesgl.selectorLabels" . | nindent 6 }}
+{{- end }}
+{{- end -}}
