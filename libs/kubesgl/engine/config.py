@@ -1,0 +1,28 @@
+"""Engine configuration: one flat, composable dataclass (flag names follow Mini-SGLang)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_path: str
+    device: str = "cpu"  # "cpu" | "cuda"
+    dtype: str = "auto"  # "auto" (from config.json) | "float32" | "bfloat16" | "float16"
+    tp_size: int = 1
+    page_size: int = 1
+    cache: str = "radix"  # "radix" | "naive"
+    max_running_requests: int = 256
+    max_prefill_tokens: int = 8192  # chunked-prefill budget per step (--max-prefill-length)
+    num_pages: int | None = None  # overrides the memory estimate
+    memory_ratio: float = 0.9  # share of device memory for weights + KV (GPU)
+    cpu_kv_bytes: int = 512 << 20  # KV budget on the CPU when num_pages is not given
+    max_seq_len_override: int | None = None
+    attn: str = "auto"  # "torch" | "triton" | "flashinfer" | "fa3" | "prefill,decode" | "auto"
+    cuda_graph_max_bs: int | None = None  # None = auto, 0 = off
+    disable_overlap: bool = False
+    dummy_weight: bool = False
+    seed: int = 0  # engine RNG for requests without a seed
+    dist_port: int = 0  # torch.distributed rendezvous port for tp_size > 1 (0 = pick a free one)
+    moe_backend: str = "auto"

@@ -1,0 +1,205 @@
+"""Engine: the one engine loop. Both the offline LLM and the scheduler service drive it with step().
+
+With overlap scheduling (GPU), step() plans and launches batch N+1 before it reads back batch N's tokens,
+so the host's bookkeeping hides behind the device's work; without it, each step is launch-then-read.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from kubesgl.distributed import TPGroup
+from kubesgl.engine.config import EngineConfig
+from kubesgl.engine.plan import BatchPlan
+from kubesgl.engine.request import Req
+from kubesgl.engine.runner import ModelRunner, StepResult
+from kubesgl.engine.sampling import SamplingParams
+from kubesgl.engine.scheduler import Scheduler, SchedulerLimits
+from kubesgl.engine.types import EngineStats, ModelInfo, RequestOutput
+from kubesgl.errors import InvalidRequestError
+from kubesgl.kv.page_pool import PagePool
+from kubesgl.kv.prefix_cache import NaiveCache, PrefixCache
+from kubesgl.kv.radix import RadixCache
+
+if TYPE_CHECKING:
+    from multiprocessing.process import BaseProcess
+
+log = logging.getLogger(__name__)
+
+_DIST_TIMEOUT = datetime.timedelta(minutes=10)
+
+
+def _validate(config: EngineConfig) -> None:
+    checks = [
+        (config.tp_size >= 1, "tp_size must be >= 1"),
+        (config.page_size >= 1, "page_size must be >= 1"),
+        (config.cache in ("radix", "naive"), f"cache must be 'radix' or 'naive', got {config.cache!r}"),
+        (config.max_running_requests >= 1, "max_running_requests must be >= 1"),
+        (config.max_prefill_tokens >= 1, "max_prefill_tokens must be >= 1"),
+        (config.device in ("cpu", "cuda"), f"device must be 'cpu' or 'cuda', got {config.device!r}"),
+        (config.num_pages is None or config.num_pages >= 1, "num_pages must be >= 1"),
+    ]
+    for ok, why in checks:
+        if not ok:
+            raise InvalidRequestError(why)
+    if config.device == "cuda" and torch.cuda.device_count() < config.tp_size:
+        raise InvalidRequestError(f"tp_size {config.tp_size} needs {config.tp_size} GPUs")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _init_tp(rank: int, config: EngineConfig, port: int) -> TPGroup:
+    if config.tp_size == 1:
+        return TPGroup()
+    backend = "nccl" if config.device == "cuda" else "gloo"
+    if config.device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=config.tp_size,
+        timeout=_DIST_TIMEOUT,
+    )
+    group = dist.group.WORLD
+    cpu_group = dist.new_group(backend="gloo", timeout=_DIST_TIMEOUT) if backend != "gloo" else group
+    return TPGroup(rank, config.tp_size, group, cpu_group)
+
+
+def _worker_main(rank: int, config: EngineConfig, port: int) -> None:
+    """Ranks 1..N-1: execute every plan rank 0 broadcasts, until it sends None."""
+    tp = _init_tp(rank, config, port)
+    try:
+        runner = ModelRunner(config, tp)
+        while True:
+            plan = tp.broadcast_object(None)
+            if plan is None:
+                break
+            runner.execute(plan)  # type: ignore[arg-type]
+    finally:
+        dist.destroy_process_group()
+
+
+def overlap_enabled(config: EngineConfig) -> bool:
+    off = os.environ.get(
+        "KUBESGL_DISABLE_OVERLAP_SCHEDULING", os.environ.get("MINISGL_DISABLE_OVERLAP_SCHEDULING")
+    )
+    return config.device == "cuda" and not config.disable_overlap and off not in ("1", "true", "True")
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        _validate(config)
+        self.config = config
+        self._workers: list[BaseProcess] = []
+        port = config.dist_port or _free_port()
+        if config.tp_size > 1:
+            ctx = mp.get_context("spawn")
+            for rank in range(1, config.tp_size):
+                p = ctx.Process(target=_worker_main, args=(rank, config, port), daemon=True)
+                p.start()
+                self._workers.append(p)
+        self.tp = _init_tp(0, config, port)
+        try:
+            self.runner = ModelRunner(config, self.tp)
+        except BaseException:
+            self.shutdown()
+            raise
+        r = self.runner
+        self.pool = PagePool(r.num_pages, config.page_size)
+        cache: PrefixCache = (
+            RadixCache(config.page_size, self.pool)
+            if config.cache == "radix"
+            else NaiveCache(config.page_size, self.pool)
+        )
+        self.scheduler = Scheduler(
+            SchedulerLimits(
+                max_running_requests=config.max_running_requests,
+                max_prefill_tokens=config.max_prefill_tokens,
+                context_len=r.context_len,
+                vocab_size=r.model.vocab_size,
+                eos_token_ids=tuple(r.model.eos_token_ids),
+            ),
+            self.pool,
+            cache,
+            seed=config.seed,
+        )
+        self.cache = cache
+        self.overlap = overlap_enabled(config)
+        self._inflight: tuple[BatchPlan, list[Req], StepResult] | None = None
+        hf = r.model.hf_config
+        self.info = ModelInfo(
+            name=os.path.basename(os.path.normpath(config.model_path)),
+            architecture=(getattr(hf, "architectures", None) or ["?"])[0],
+            context_len=r.context_len,
+            vocab_size=r.model.vocab_size,
+            eos_token_ids=tuple(r.model.eos_token_ids),
+            page_size=config.page_size,
+            num_pages=self.pool.capacity,
+        )
+
+    # -- the driver's interface ---------------------------------------------------------------------
+    def add_request(self, rid: str, input_ids: list[int], params: SamplingParams) -> None:
+        self.scheduler.add_request(rid, input_ids, params)
+
+    def abort(self, rid: str) -> None:
+        self.scheduler.abort(rid)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or self._inflight is not None
+
+    def step(self) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        scheduled = self.scheduler.schedule()
+        launched = None
+        if scheduled is not None:
+            plan, reqs = scheduled
+            self.tp.broadcast_object(plan)
+            launched = (plan, reqs, self.runner.execute(plan))
+        if self.overlap:
+            done, self._inflight = self._inflight, launched
+        else:
+            done = launched
+        if done is not None:
+            plan, reqs, result = done
+            outputs += self.scheduler.process(plan, reqs, result.to_host())
+        outputs += self.scheduler.drain_finished()
+        return outputs
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(
+            num_running=len(s.running),
+            num_queued=len(s.waiting),
+            free_pages=self.pool.num_free,
+            available_pages=self.pool.num_free + self.cache.evictable_pages,
+            total_pages=self.pool.capacity,
+            cached_prefix_pages=self.cache.cached_pages,
+            prompt_tokens_total=s.prompt_tokens_total,
+            cached_tokens_total=s.cached_tokens_total,
+            generation_tokens_total=s.generation_tokens_total,
+        )
+
+    def shutdown(self) -> None:
+        if self.tp.size > 1 and dist.is_initialized():
+            try:
+                self.tp.broadcast_object(None)
+            finally:
+                dist.destroy_process_group()
+        for p in self._workers:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+        self._workers = []

@@ -1,0 +1,53 @@
+"""One request's life inside the engine: its tokens, its KV pages, and how far it has got."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from kubesgl.engine.sampling import SamplingParams
+from kubesgl.engine.types import TokenLogprob
+
+
+class ReqState(enum.Enum):
+    WAITING = "waiting"  # queued, or preempted and queued again
+    RUNNING = "running"  # holds a slot and pages; prefilling (maybe in chunks) or decoding
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Req:
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    seed: int  # the sampling seed (params.seed, or drawn from the engine's RNG)
+    arrival: int  # admission order, for FIFO and preemption choice
+    output_ids: list[int] = field(default_factory=list)
+    state: ReqState = ReqState.WAITING
+    slot: int = -1  # row in the runner's token pool / page table
+    pages: list[int] = field(default_factory=list)
+    tree_pages: int = 0  # pages[:tree_pages] belong to the prefix cache (locked by cache_handle)
+    cache_handle: object = None
+    kv_len: int = 0  # tokens whose KV is computed or being computed by a launched batch
+    prefill_target: int = 0  # tokens that need KV before decoding starts (prompt, + outputs after preemption)
+    pending: int = 0  # tokens sampled by launched batches whose values the host has not seen yet
+    cached_tokens: int = -1  # prefix-cache hit at first admission (-1: not admitted yet)
+    finish_reason: str | None = None
+    emitted: int = 0  # output tokens already reported
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.input_ids + self.output_ids
+
+    @property
+    def num_known(self) -> int:
+        return len(self.input_ids) + len(self.output_ids)
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.kv_len < self.prefill_target
+
+    @property
+    def finished(self) -> bool:
+        return self.state is ReqState.FINISHED

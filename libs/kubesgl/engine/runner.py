@@ -1,0 +1,212 @@
+"""ModelRunner: one rank's model, KV memory, token pool and sampler; executes BatchPlans.
+
+Every rank of a tensor-parallel group runs the same plans in the same order, so the sampled tokens (computed
+from identical all-gathered logits with counter-based noise) are identical everywhere and never need to be
+sent between ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from kubesgl.attention.base import AttentionMetadata
+from kubesgl.distributed import TPGroup
+from kubesgl.engine.config import EngineConfig
+from kubesgl.engine.forward import ForwardBatch
+from kubesgl.engine.plan import BatchPlan
+from kubesgl.engine.sampler import Sampler
+from kubesgl.engine.scheduler import StepTokens
+from kubesgl.engine.types import TokenLogprob
+from kubesgl.kv.kv_cache import KVCache
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype | None:
+    """None means "as the checkpoint says" (the loader reads torch_dtype); CPU runs default to float32."""
+    if name == "auto":
+        return torch.float32 if device == "cpu" else None
+    if name not in _DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose one of auto, {', '.join(_DTYPES)}")
+    return _DTYPES[name]
+
+
+@dataclass
+class StepResult:
+    """Device-side results of one step; `to_host` is the only place the host waits for the device."""
+
+    plan: BatchPlan
+    tokens: torch.Tensor  # [num sampled]
+    chosen_lp: torch.Tensor | None
+    top_ids: torch.Tensor | None
+    top_lp: torch.Tensor | None
+    event: torch.cuda.Event | None = None
+
+    def to_host(self) -> StepTokens:
+        if self.event is not None:
+            self.event.synchronize()
+        toks = self.tokens.tolist()
+        chosen = self.chosen_lp.tolist() if self.chosen_lp is not None else None
+        top_ids = self.top_ids.tolist() if self.top_ids is not None else None
+        top_lp = self.top_lp.tolist() if self.top_lp is not None else None
+        out_tokens: list[int] = []
+        out_lps: list[TokenLogprob | None] = []
+        j = 0
+        for sample, n_top in zip(self.plan.sample, self.plan.top_logprobs, strict=True):
+            if not sample:
+                out_tokens.append(-1)
+                out_lps.append(None)
+                continue
+            out_tokens.append(toks[j])
+            if chosen is not None and n_top >= 0:
+                top = tuple(zip(top_ids[j][:n_top], top_lp[j][:n_top], strict=True)) if n_top else ()
+                out_lps.append(TokenLogprob(toks[j], chosen[j], top))
+            else:
+                out_lps.append(None)
+            j += 1
+        return StepTokens(out_tokens, out_lps)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, tp: TPGroup) -> None:
+        from kubesgl.attention.registry import create_backend
+        from kubesgl.models.loader import load_model
+
+        self.config = config
+        self.tp = tp
+        self.device = torch.device(config.device if config.device != "cuda" else f"cuda:{tp.rank}")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.model = load_model(
+            config.model_path,
+            tp=tp,
+            device=self.device,
+            dtype=resolve_dtype(config.dtype, self.device.type),
+            dummy=config.dummy_weight,
+        )
+        m = self.model
+        self.context_len = config.max_seq_len_override or m.context_len
+        self.page_size = config.page_size
+        self.num_pages = self._size_kv_pool()
+        self.kv = KVCache(
+            m.num_layers, self.num_pages, self.page_size, m.num_kv_heads, m.head_dim, m.dtype, self.device
+        )
+        slots = config.max_running_requests
+        max_pages = -(-self.context_len // self.page_size)
+        self.page_table = torch.zeros(slots, max_pages, dtype=torch.int32, device=self.device)
+        self.token_pool = torch.zeros(slots, self.context_len + 1, dtype=torch.int64, device=self.device)
+        self.sampler = Sampler(slots, self.device)
+        self.attn = create_backend(
+            config.attn,
+            device=self.device,
+            page_size=self.page_size,
+            num_q_heads=m.hf_config.num_attention_heads // tp.size,
+            num_kv_heads=m.num_kv_heads,
+            head_dim=m.head_dim,
+            dtype=m.dtype,
+            max_batch=slots,
+            max_pages_per_req=max_pages,
+            num_pages=self.num_pages,
+        )
+
+    # -- sizing --------------------------------------------------------------------------------------
+    def _size_kv_pool(self) -> int:
+        m, cfg = self.model, self.config
+        per_page = KVCache.bytes_per_token(m.num_layers, m.num_kv_heads, m.head_dim, m.dtype) * self.page_size
+        if cfg.num_pages is not None:
+            n = cfg.num_pages + 1  # + the scratch page
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            reserve = (1 - cfg.memory_ratio) * total + (2 << 30)  # activations, graphs, sampler buffers
+            n = int((free - reserve) // per_page)
+        else:
+            n = cfg.cpu_kv_bytes // per_page
+        if self.tp.size > 1:  # every rank must hold the same page ids
+            t = torch.tensor([n])
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=self.tp.cpu_group)
+            n = int(t.item())
+        if n < 2:
+            raise RuntimeError(f"not enough memory for the KV cache ({n} pages of {per_page} bytes)")
+        log.info("KV cache: %d pages x %d tokens (%.2f GiB)", n, self.page_size, n * per_page / 2**30)
+        return n
+
+    # -- one step ------------------------------------------------------------------------------------
+    def execute(self, plan: BatchPlan) -> StepResult:
+        dev = self.device
+        self.sampler.init_slots(plan.slot_inits)
+        self._write_page_table(plan.page_writes)
+        ps = self.page_size
+        slots_t = torch.tensor(plan.slots, dtype=torch.int64, device=dev)
+        seq_lens = plan.seq_lens
+        if plan.mode == "extend":
+            rows = [s for s, n in zip(plan.slots, plan.extend_lens, strict=True) for _ in range(n)]
+            pos = [
+                p
+                for pre, n in zip(plan.prefix_lens, plan.extend_lens, strict=True)
+                for p in range(pre, pre + n)
+            ]
+            rows_t = torch.tensor(rows, dtype=torch.int64, device=dev)
+            positions = torch.tensor(pos, dtype=torch.int64, device=dev)
+            input_ids = torch.tensor(plan.tokens, dtype=torch.int64, device=dev)
+            self.token_pool[rows_t, positions] = input_ids
+        else:
+            rows_t = slots_t
+            positions = torch.tensor(plan.prefix_lens, dtype=torch.int64, device=dev)
+            input_ids = self.token_pool[slots_t, positions]
+        out_loc = self.page_table[rows_t, positions // ps].long() * ps + positions % ps
+        meta = AttentionMetadata(
+            mode=plan.mode,
+            page_size=ps,
+            seq_lens=seq_lens,
+            extend_lens=plan.extend_lens,
+            prefix_lens=plan.prefix_lens,
+            page_table=self.page_table[slots_t],
+            seq_lens_dev=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+        )
+        self.attn.plan(meta)
+        fb = ForwardBatch(plan.mode, input_ids, positions, out_loc, self.attn, self.kv)
+        hidden = self.model.forward(fb)
+
+        ends, acc = [], 0
+        for n in plan.extend_lens:
+            acc += n
+            ends.append(acc - 1)
+        pick = [i for i, s in enumerate(plan.sample) if s]
+        if not pick:
+            empty = torch.empty(0, dtype=torch.int64, device=dev)
+            return StepResult(plan, empty, None, None, None)
+        last = torch.tensor([ends[i] for i in pick], dtype=torch.int64, device=dev)
+        logits = self.model.compute_logits(hidden[last]).float()
+        s_slots = [plan.slots[i] for i in pick]
+        s_lens = [seq_lens[i] for i in pick]
+        toks, chosen, top_ids, top_lp = self.sampler.sample(
+            logits, s_slots, s_lens, self.token_pool, [plan.top_logprobs[i] for i in pick]
+        )
+        self.token_pool[torch.tensor(s_slots, device=dev), torch.tensor(s_lens, device=dev)] = toks
+        event = None
+        if dev.type == "cuda":
+            toks = toks.to("cpu", non_blocking=True)
+            chosen, top_ids, top_lp = (
+                t.to("cpu", non_blocking=True) if t is not None else None for t in (chosen, top_ids, top_lp)
+            )
+            event = torch.cuda.Event()
+            event.record()
+        return StepResult(plan, toks, chosen, top_ids, top_lp, event)
+
+    def _write_page_table(self, writes: list[tuple[int, int, list[int]]]) -> None:
+        if not writes:
+            return
+        cells = {
+            (slot, start + i): p for slot, start, pages in writes for i, p in enumerate(pages)
+        }  # last wins
+        rows, cols = [r for r, _ in cells], [c for _, c in cells]
+        vals = list(cells.values())
+        dev = self.device
+        self.page_table[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = torch.tensor(
+            vals, dtype=torch.int32, device=dev
+        )

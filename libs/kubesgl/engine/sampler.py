@@ -1,0 +1,159 @@
+"""Batched sampling on the device: penalties, temperature, top-k, top-p, min-p, seeded noise, logprobs.
+
+Per-request parameters live in per-slot device tensors written once at admission, so a step moves no
+parameters host-to-device. Randomness is a counter-based hash of (seed, position, token id): the same
+request with the same seed samples the same tokens whatever else shares its batch, on any device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kubesgl.engine.plan import SlotInit
+
+_M32 = 0xFFFFFFFF
+_HASH_MUL = 0x45D9F3B  # small enough that a 32-bit value times it stays inside int64
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    x = ((x >> 16) ^ x) * _HASH_MUL & _M32
+    x = ((x >> 16) ^ x) * _HASH_MUL & _M32
+    return (x >> 16) ^ x
+
+
+def seeded_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B, vocab] uniforms in (0, 1) that depend only on (seed, position, token id)."""
+    s = _mix32((seeds ^ (seeds >> 32)) & _M32)
+    s = _mix32((s ^ _mix32(positions & _M32)) & _M32)
+    ids = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
+    x = _mix32((s[:, None] ^ _mix32(ids)[None, :] * 3 + 0x9E37) & _M32)
+    return ((x >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+class Sampler:
+    """Owns the per-slot sampling state of one runner."""
+
+    def __init__(self, max_slots: int, device: torch.device) -> None:
+        def col(dtype: torch.dtype, fill: float) -> torch.Tensor:
+            return torch.full((max_slots,), fill, dtype=dtype, device=device)
+
+        self.temperature = col(torch.float32, 1.0)
+        self.top_k = col(torch.int64, -1)
+        self.top_p = col(torch.float32, 1.0)
+        self.min_p = col(torch.float32, 0.0)
+        self.presence = col(torch.float32, 0.0)
+        self.frequency = col(torch.float32, 0.0)
+        self.repetition = col(torch.float32, 1.0)
+        self.seed = col(torch.int64, 0)
+        self.prompt_len = col(torch.int64, 0)
+        self.device = device
+        # Host mirrors that decide which (costly) stages a batch needs, without reading the device.
+        self._host: dict[int, SlotInit] = {}
+
+    def init_slots(self, inits: list[SlotInit]) -> None:
+        if not inits:
+            return
+        idx = torch.tensor([s.slot for s in inits], device=self.device)
+        for name, attr in (
+            ("temperature", "temperature"),
+            ("top_k", "top_k"),
+            ("top_p", "top_p"),
+            ("min_p", "min_p"),
+            ("presence", "presence_penalty"),
+            ("frequency", "frequency_penalty"),
+            ("repetition", "repetition_penalty"),
+            ("seed", "seed"),
+            ("prompt_len", "prompt_len"),
+        ):
+            t: torch.Tensor = getattr(self, name)
+            t[idx] = torch.tensor([getattr(s, attr) for s in inits], dtype=t.dtype, device=self.device)
+        for s in inits:
+            self._host[s.slot] = s
+
+    def sample(
+        self,
+        logits: torch.Tensor,  # [B, V] float32
+        slots: list[int],
+        seq_lens: list[int],  # the sampled token's position, per row
+        token_pool: torch.Tensor,  # [slots, max_len] tokens so far (for penalties)
+        top_logprobs: list[int],
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """Returns (tokens [B], chosen logprob [B] | None, top ids [B, n] | None, top logprobs [B, n] | None)."""
+        host = [self._host[s] for s in slots]
+        slot_t = torch.tensor(slots, device=logits.device)
+        want_lp = max(top_logprobs) >= 0
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_lp else None
+
+        if any(h.presence_penalty or h.frequency_penalty or h.repetition_penalty != 1.0 for h in host):
+            logits = self._apply_penalties(logits, host, slot_t, seq_lens, token_pool)
+
+        greedy = [h.temperature == 0 or h.top_k == 1 for h in host]
+        if all(greedy):
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._sample_random(logits, host, slot_t, seq_lens, greedy)
+
+        if raw_logprobs is None:
+            return tokens, None, None, None
+        chosen = raw_logprobs.gather(1, tokens[:, None]).squeeze(1)
+        n = max(top_logprobs)
+        if n > 0:
+            top_lp, top_ids = raw_logprobs.topk(n, dim=-1)
+            return tokens, chosen, top_ids, top_lp
+        return tokens, chosen, None, None
+
+    def _apply_penalties(
+        self,
+        logits: torch.Tensor,
+        host: list[SlotInit],
+        slot_t: torch.Tensor,
+        seq_lens: list[int],
+        token_pool: torch.Tensor,
+    ) -> torch.Tensor:
+        B, V = logits.shape
+        max_len = max(seq_lens)
+        pos = torch.arange(max_len, device=logits.device)
+        hist = token_pool[slot_t, :max_len].long()  # tokens before the one being sampled
+        seq = torch.tensor(seq_lens, device=logits.device)
+        valid = pos[None, :] < seq[:, None]
+        is_out = valid & (pos[None, :] >= self.prompt_len[slot_t][:, None])
+        out_counts = torch.zeros(B, V, device=logits.device)
+        out_counts.scatter_add_(1, hist, is_out.float())
+        seen = torch.zeros(B, V, device=logits.device)
+        seen.scatter_add_(1, hist, valid.float())
+        rep = self.repetition[slot_t][:, None]
+        penalized = torch.where(logits > 0, logits / rep, logits * rep)
+        logits = torch.where(seen > 0, penalized, logits)
+        logits = logits - self.frequency[slot_t][:, None] * out_counts
+        return logits - self.presence[slot_t][:, None] * (out_counts > 0).float()
+
+    def _sample_random(
+        self,
+        logits: torch.Tensor,
+        host: list[SlotInit],
+        slot_t: torch.Tensor,
+        seq_lens: list[int],
+        greedy: list[bool],
+    ) -> torch.Tensor:
+        temp = self.temperature[slot_t].clamp_min(1e-5)[:, None]
+        probs = torch.softmax(logits / temp, dim=-1)
+        if any(h.top_k > 1 or h.top_p < 1.0 for h in host):
+            sorted_p, order = probs.sort(dim=-1, descending=True)
+            rank = torch.arange(probs.shape[1], device=probs.device)[None, :]
+            k = self.top_k[slot_t][:, None]
+            drop = (k > 0) & (rank >= k)
+            # Keep the smallest set whose mass reaches top_p (the top token always stays).
+            drop |= (sorted_p.cumsum(dim=-1) - sorted_p) >= self.top_p[slot_t][:, None]
+            sorted_p = sorted_p.masked_fill(drop, 0.0)
+            probs = torch.zeros_like(probs).scatter_(1, order, sorted_p)
+        if any(h.min_p > 0 for h in host):
+            floor = self.min_p[slot_t][:, None] * probs.max(dim=-1, keepdim=True).values
+            probs = probs.masked_fill(probs < floor, 0.0)
+        positions = torch.tensor(seq_lens, device=logits.device, dtype=torch.int64)
+        u = seeded_uniform(self.seed[slot_t], positions, probs.shape[1])
+        # Exponential race: argmax p / E with E ~ Exp(1) draws from p exactly (Gumbel-max in ratio form).
+        sampled = (probs / -torch.log(u)).argmax(dim=-1)
+        if any(greedy):
+            g = torch.tensor(greedy, device=logits.device)
+            sampled = torch.where(g, logits.argmax(dim=-1), sampled)
+        return sampled

@@ -1,0 +1,321 @@
+"""Continuous batching: admission, chunked prefill, decode, eviction, preemption, and turning sampled tokens
+into per-request outputs. Pure host-side bookkeeping; the runner does the math."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections import deque
+from dataclasses import dataclass
+
+from kubesgl.engine.plan import BatchPlan, SlotInit
+from kubesgl.engine.request import Req, ReqState
+from kubesgl.engine.sampling import SamplingParams
+from kubesgl.engine.types import RequestOutput, TokenLogprob
+from kubesgl.errors import ContextLengthError, InvalidRequestError
+from kubesgl.kv.page_pool import PagePool
+from kubesgl.kv.prefix_cache import PrefixCache
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    max_running_requests: int
+    max_prefill_tokens: int
+    context_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+
+
+@dataclass
+class StepTokens:
+    """What the host reads back after a step: per request of the plan, the sampled token (or -1)."""
+
+    tokens: list[int]
+    logprobs: list[TokenLogprob | None]
+
+
+class Scheduler:
+    def __init__(self, limits: SchedulerLimits, pool: PagePool, cache: PrefixCache, seed: int = 0) -> None:
+        self.limits = limits
+        self.pool = pool
+        self.cache = cache
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.reqs: dict[str, Req] = {}
+        self._free_slots = list(range(limits.max_running_requests - 1, -1, -1))
+        self._arrival = itertools.count()
+        self._rng = random.Random(seed)
+        self._finished_unreported: list[Req] = []
+        self._pending_page_writes: list[tuple[Req, int, int, list[int]]] = []
+        self.prompt_tokens_total = 0
+        self.cached_tokens_total = 0
+        self.generation_tokens_total = 0
+
+    # -- requests in and out -----------------------------------------------------------------------
+    def add_request(self, rid: str, input_ids: list[int], params: SamplingParams) -> None:
+        params.validate()
+        if rid in self.reqs:
+            raise InvalidRequestError(f"request id {rid!r} is already in use", param="rid")
+        if not input_ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        n, ctx = len(input_ids), self.limits.context_len
+        if n >= ctx:
+            raise ContextLengthError(
+                f"This model's maximum context length is {ctx} tokens. However, the prompt has {n} tokens "
+                "(at least one token must be left for the completion).",
+                param="prompt",
+            )
+        bad = next((t for t in input_ids if not 0 <= t < self.limits.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                f"token id {bad} is outside the vocabulary [0, {self.limits.vocab_size})", param="prompt"
+            )
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        req = Req(rid=rid, input_ids=list(input_ids), params=params, seed=seed, arrival=next(self._arrival))
+        self.reqs[rid] = req
+        self.waiting.append(req)
+
+    def abort(self, rid: str) -> None:
+        req = self.reqs.get(rid)
+        if req is None or req.finished:
+            return
+        if req.state is ReqState.WAITING:
+            self.waiting.remove(req)
+        self._finish(req, "abort")
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._finished_unreported)
+
+    # -- scheduling ----------------------------------------------------------------------------------
+    def schedule(self) -> tuple[BatchPlan, list[Req]] | None:
+        """The next batch: prefill work first (new or chunked requests), else one decode step for all."""
+        scheduled = self._schedule_extend() or self._schedule_decode()
+        if scheduled is not None and self._pending_page_writes:
+            # Page-table rows changed by the prefix cache go first: the plan's own writes may extend them.
+            live = [(s, i, p) for r, s, i, p in self._pending_page_writes if r.slot == s]
+            scheduled[0].page_writes[:0] = live
+            self._pending_page_writes = []
+        return scheduled
+
+    def _schedule_extend(self) -> tuple[BatchPlan, list[Req]] | None:
+        budget = self.limits.max_prefill_tokens
+        plan = BatchPlan("extend", [], [], [], [], [], [])
+        reqs: list[Req] = []
+        chunking = [r for r in self.running if r.is_prefilling]
+        for req in chunking + [r for r in self.waiting if r.pending == 0]:
+            if budget <= 0:
+                break
+            admitted_now = req.state is ReqState.WAITING
+            if admitted_now:
+                if not self._free_slots:
+                    break
+                self._admit(req, plan)
+            chunk = min(req.prefill_target - req.kv_len, budget)
+            need = self.pool.pages_for(req.kv_len + chunk) - len(req.pages)
+            # New work must leave each decoding request room for its next page.
+            headroom = sum(1 for r in self.running if not r.is_prefilling) if admitted_now else 0
+            if not self._make_room(need + headroom):
+                if admitted_now:
+                    self._unadmit(req, plan)
+                break
+            self._grow(req, need, plan)
+            plan.slots.append(req.slot)
+            plan.prefix_lens.append(req.kv_len)
+            plan.extend_lens.append(chunk)
+            plan.tokens += req.all_ids[req.kv_len : req.kv_len + chunk]
+            req.kv_len += chunk
+            last = req.kv_len == req.prefill_target
+            plan.sample.append(last)
+            plan.top_logprobs.append(self._top_logprobs(req) if last else -1)
+            req.pending += last
+            budget -= chunk
+            reqs.append(req)
+        return (plan, reqs) if reqs else None
+
+    def _schedule_decode(self) -> tuple[BatchPlan, list[Req]] | None:
+        ctx = self.limits.context_len
+        batch = [
+            r
+            for r in self.running
+            if not r.is_prefilling
+            and len(r.output_ids) + r.pending < r.params.max_tokens
+            and r.kv_len + 1 < ctx
+        ]
+        if not batch:
+            return None
+        batch.sort(key=lambda r: r.arrival)
+        while batch:
+            need = sum(self.pool.pages_for(r.kv_len + 1) - len(r.pages) for r in batch)
+            if self._make_room(need):
+                break
+            victim = batch.pop()  # the newest request gives way
+            self._preempt(victim)
+        if not batch:
+            return None
+        plan = BatchPlan("decode", [], [], [], [], [], [])
+        for req in batch:
+            self._grow(req, self.pool.pages_for(req.kv_len + 1) - len(req.pages), plan)
+            plan.slots.append(req.slot)
+            plan.prefix_lens.append(req.kv_len)
+            plan.extend_lens.append(1)
+            plan.sample.append(True)
+            plan.top_logprobs.append(self._top_logprobs(req))
+            req.kv_len += 1
+            req.pending += 1
+        return plan, batch
+
+    @staticmethod
+    def _top_logprobs(req: Req) -> int:
+        return req.params.top_logprobs if req.params.logprobs else -1
+
+    def _admit(self, req: Req, plan: BatchPlan) -> None:
+        self.waiting.remove(req)
+        req.state = ReqState.RUNNING
+        req.slot = self._free_slots.pop()
+        req.prefill_target = req.num_known
+        handle, pages = self.cache.match_prefix(req.all_ids[: req.prefill_target - 1])
+        req.cache_handle, req.pages, req.tree_pages = handle, list(pages), len(pages)
+        req.kv_len = len(pages) * self.pool.page_size
+        if req.cached_tokens < 0:
+            req.cached_tokens = req.kv_len
+            self.prompt_tokens_total += len(req.input_ids)
+            self.cached_tokens_total += req.kv_len
+        if pages:
+            plan.page_writes.append((req.slot, 0, list(pages)))
+        p = req.params
+        plan.slot_inits.append(
+            SlotInit(
+                req.slot,
+                len(req.input_ids),
+                p.temperature,
+                p.top_k,
+                p.top_p,
+                p.min_p,
+                p.presence_penalty,
+                p.frequency_penalty,
+                p.repetition_penalty,
+                req.seed,
+            )
+        )
+        self.running.append(req)
+
+    def _unadmit(self, req: Req, plan: BatchPlan) -> None:
+        """Takes back an admission that found no memory; the request waits at the head of the queue."""
+        plan.page_writes = [w for w in plan.page_writes if w[0] != req.slot]
+        plan.slot_inits = [s for s in plan.slot_inits if s.slot != req.slot]
+        self.running.remove(req)
+        self.cache.release(req.cache_handle)
+        self._free_slots.append(req.slot)
+        req.slot, req.pages, req.tree_pages, req.cache_handle, req.kv_len = -1, [], 0, None, 0
+        req.state = ReqState.WAITING
+        self.waiting.appendleft(req)
+
+    def _make_room(self, pages: int) -> bool:
+        short = pages - self.pool.num_free
+        if short > 0:
+            self.cache.evict(short)
+        return self.pool.num_free >= pages
+
+    def _grow(self, req: Req, n: int, plan: BatchPlan) -> None:
+        if n > 0:
+            new = self.pool.alloc(n)
+            plan.page_writes.append((req.slot, len(req.pages), new))
+            req.pages += new
+
+    def _release(self, req: Req) -> None:
+        """Gives the request's KV to the prefix cache (what is reusable) and the pool (the rest)."""
+        valid = min(req.kv_len, req.num_known)
+        n_full = valid // self.pool.page_size
+        handle, canon = self.cache.insert(
+            req.all_ids[: n_full * self.pool.page_size], req.pages[:n_full], None
+        )
+        self.cache.release(handle)
+        self.cache.release(req.cache_handle)
+        self.pool.free(req.pages[len(canon) :])
+        self._free_slots.append(req.slot)
+        self.running.remove(req)
+        req.slot, req.pages, req.tree_pages, req.cache_handle, req.kv_len = -1, [], 0, None, 0
+
+    def _preempt(self, req: Req) -> None:
+        self._release(req)
+        req.state = ReqState.WAITING
+        # Back to the queue in arrival order; it is re-prefilled (mostly from cache) when memory allows.
+        idx = next((i for i, r in enumerate(self.waiting) if r.arrival > req.arrival), len(self.waiting))
+        self.waiting.insert(idx, req)
+
+    def _finish(self, req: Req, reason: str) -> None:
+        if req.state is ReqState.RUNNING:
+            self._release(req)
+        req.state = ReqState.FINISHED
+        req.finish_reason = reason
+        self._finished_unreported.append(req)
+
+    # -- results ---------------------------------------------------------------------------------------
+    def process(self, plan: BatchPlan, reqs: list[Req], out: StepTokens) -> list[RequestOutput]:
+        """Applies a finished step's sampled tokens; returns the outputs it produced (incl. aborts)."""
+        eos = self.limits.eos_token_ids
+        touched: list[Req] = []
+        for i, req in enumerate(reqs):
+            if not plan.sample[i]:
+                continue
+            req.pending -= 1
+            if req.finished:
+                continue  # finished while this step was in flight; its extra token is dropped
+            tok = out.tokens[i]
+            req.output_ids.append(tok)
+            self.generation_tokens_total += 1
+            if out.logprobs[i] is not None:
+                req.logprobs.append(out.logprobs[i])
+            touched.append(req)
+            p = req.params
+            if (tok in eos and not p.ignore_eos) or tok in p.stop_token_ids:
+                self._finish(req, "stop")
+            elif len(req.output_ids) >= p.max_tokens or req.num_known >= self.limits.context_len:
+                self._finish(req, "length")
+            elif plan.mode == "extend":
+                self._cache_prompt(req)  # prefill just completed: share its prompt with later requests
+        outputs = [self._output(r) for r in touched if not r.finished]
+        outputs += [self._output(r) for r in self._finished_unreported]
+        self._finished_unreported.clear()
+        return outputs
+
+    def drain_finished(self) -> list[RequestOutput]:
+        """Outputs of requests finished outside a step (aborts)."""
+        outs = [self._output(r) for r in self._finished_unreported]
+        self._finished_unreported.clear()
+        return outs
+
+    def _cache_prompt(self, req: Req) -> None:
+        """After prefill, shares the prompt's full pages through the prefix cache while the request runs."""
+        n_full = min(req.prefill_target, req.num_known) // self.pool.page_size
+        if n_full == 0:
+            return
+        handle, canon = self.cache.insert(
+            req.all_ids[: n_full * self.pool.page_size], req.pages[:n_full], None
+        )
+        if not canon:
+            self.cache.release(handle)
+            return
+        self.cache.release(req.cache_handle)
+        req.cache_handle = handle
+        if canon != req.pages[: len(canon)]:
+            req.pages[: len(canon)] = canon
+            self._pending_page_writes.append((req, req.slot, 0, list(canon)))
+        req.tree_pages = len(canon)
+
+    def _output(self, req: Req) -> RequestOutput:
+        new = req.output_ids[req.emitted :]
+        lps = req.logprobs[req.emitted :] if req.params.logprobs else None
+        req.emitted = len(req.output_ids)
+        if req.finished:
+            self.reqs.pop(req.rid, None)
+        return RequestOutput(
+            rid=req.rid,
+            new_token_ids=new,
+            prompt_tokens=len(req.input_ids),
+            cached_tokens=max(req.cached_tokens, 0),
+            completion_tokens=len(req.output_ids),
+            finished=req.finished,
+            finish_reason=req.finish_reason,
+            logprobs=lps,
+        )
