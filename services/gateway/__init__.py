@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP gateway: FastAPI in front of the tokenizer/scheduler/detokenizer mesh on NATS."""

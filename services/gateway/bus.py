@@ -1,0 +1,163 @@
+"""The gateway's side of the NATS mesh: admits requests through the tokenizer queue group (retrying with the
+same rid, so a killed tokenizer loses nothing), receives every TextDelta for this gateway on one subscription
+and hands each to its request's RequestStream, tracks scheduler heartbeats, and publishes aborts."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import nats.errors
+from kubesgl.errors import DeadlineExceededError, ServiceUnavailableError
+from kubesgl.protocol import (
+    ABORT,
+    HEARTBEAT,
+    TOKENIZE,
+    Abort,
+    Admitted,
+    ErrorReply,
+    Heartbeat,
+    ProtocolError,
+    TextDelta,
+    TokenizeRequest,
+    decode,
+    gateway_subject,
+    headers,
+)
+from kubesgl.services.gateway.request_stream import RequestStream
+from kubesgl.services.gateway.scheduler_registry import SchedulerRegistry
+from kubesgl.telemetry.metrics import NatsMetrics
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+log = logging.getLogger("kubesgl.gateway")
+
+
+class GatewayBus:
+    def __init__(
+        self,
+        nc: Client,
+        gateway_id: str,
+        registry: SchedulerRegistry,
+        metrics: NatsMetrics,
+        attempt_timeout_s: float = 5.0,
+        no_tokenizer_grace_s: float = 10.0,
+    ) -> None:
+        self.nc = nc
+        self.gateway_id = gateway_id
+        self.registry = registry
+        self._metrics = metrics
+        self._attempt_timeout_s = attempt_timeout_s
+        self._no_tokenizer_grace_s = no_tokenizer_grace_s
+        self._streams: dict[str, RequestStream] = {}
+        self._subs: list[Subscription] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._connected_since = time.monotonic()
+        self._watch: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self._subs = [
+            await self.nc.subscribe(gateway_subject(self.gateway_id), cb=self._on_delta),
+            await self.nc.subscribe(HEARTBEAT, cb=self._on_heartbeat),
+        ]
+        self._watch = asyncio.get_running_loop().create_task(self._watch_connection())
+
+    async def stop(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+        for sub in self._subs:
+            await sub.unsubscribe()
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=2.0)
+
+    @property
+    def connected(self) -> bool:
+        return self.nc.is_connected
+
+    def scheduler_gone(self, instance_id: str) -> bool:
+        """The instance stopped heartbeating while this gateway could hear it (a NATS outage is not its death)."""
+        return self.connected and self.registry.is_gone(instance_id, self._connected_since)
+
+    def open(self, rid: str) -> RequestStream:
+        """Registers the inbox before admission: the first delta can beat the Admitted reply."""
+        stream = RequestStream(rid)
+        self._streams[rid] = stream
+        return stream
+
+    def close(self, stream: RequestStream, abort: bool) -> None:
+        """Forgets the request; `abort` tells every scheduler (a retried admission may have reached two) to stop
+        it and free its pages. Synchronous, so it is safe in a cancelled task's `finally`."""
+        self._streams.pop(stream.rid, None)
+        if abort:
+            self.abort(stream.rid, None)
+
+    def abort(self, rid: str, instance_id: str | None) -> None:
+        msg = Abort(rid=rid, instance_id=instance_id).to_bytes()
+        task = asyncio.get_running_loop().create_task(self._publish(ABORT, msg, rid))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def admit(self, stream: RequestStream, req: TokenizeRequest, traceparent: str | None) -> Admitted:
+        """Sends the request to a tokenizer until a scheduler admits or refuses it (raising the refusal)."""
+        started = time.monotonic()
+        backoff = 0.05
+        hdrs = headers(req.rid, req.deadline, traceparent)
+        body = req.to_bytes()
+        while True:
+            remaining = req.deadline - time.time()
+            if remaining <= 0:
+                raise DeadlineExceededError("the request deadline passed before a scheduler admitted it")
+            try:
+                with self._metrics.request("tokenize"):
+                    msg = await self.nc.request(
+                        TOKENIZE, body, timeout=min(self._attempt_timeout_s, remaining), headers=hdrs
+                    )
+            except nats.errors.NoRespondersError:
+                if time.monotonic() - started > self._no_tokenizer_grace_s:
+                    raise ServiceUnavailableError("no tokenizer is available") from None
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 1.0)
+                continue
+            except nats.errors.TimeoutError:
+                continue  # same rid again: a scheduler that already admitted it acknowledges again
+            except (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError):
+                raise ServiceUnavailableError("the gateway lost its NATS connection") from None
+            reply = decode(msg.data, Admitted, ErrorReply)
+            if isinstance(reply, ErrorReply):
+                raise reply.to_error()
+            for other in stream.adopt(reply.instance_id):
+                self.abort(stream.rid, other)
+            return reply
+
+    async def _watch_connection(self) -> None:
+        # Heartbeats missed while we were disconnected say nothing about the schedulers: restart the clock.
+        was_connected = True
+        while True:
+            await asyncio.sleep(0.25)
+            if self.connected and not was_connected:
+                self._connected_since = time.monotonic()
+            was_connected = self.connected
+
+    async def _on_delta(self, msg: Msg) -> None:
+        try:
+            delta = TextDelta.from_bytes(msg.data)
+        except ProtocolError as e:
+            log.warning("dropping a malformed TextDelta: %s", e)
+            return
+        stream = self._streams.get(delta.rid)
+        if stream is not None and not stream.offer(delta):
+            self.abort(delta.rid, delta.instance_id)  # a second instance runs it too: stop the copy
+
+    async def _on_heartbeat(self, msg: Msg) -> None:
+        try:
+            self.registry.observe(Heartbeat.from_bytes(msg.data))
+        except ProtocolError as e:
+            log.warning("dropping a malformed Heartbeat: %s", e)
+
+    async def _publish(self, subject: str, body: bytes, rid: str) -> None:
+        try:
+            await self.nc.publish(subject, body, headers=headers(rid))
+        except nats.errors.Error as e:
+            log.warning("abort for %s not sent: %s", rid, e)

@@ -1,0 +1,128 @@
+"""One choice of one client request, from admission to its last token: admits through the bus, then turns the
+ordered TextDeltas into ChoiceEvents (stop strings applied), and ends it with a clear error rather than hang
+when the deadline passes, output stops, the admitting scheduler vanishes or the stream loses a delta."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from kubesgl.errors import DeadlineExceededError, KubesglError, ServiceUnavailableError
+from kubesgl.openai_api.stop_strings import StopStringFilter
+from kubesgl.protocol import Admitted, TextDelta, TokenizeRequest, error_from_dict
+from kubesgl.services.gateway.bus import GatewayBus
+from kubesgl.services.gateway.request_stream import RequestStream
+
+_POLL_S = 0.5
+# A missing delta with later ones already here: NATS dropped it (e.g. across a restart); it will not come.
+_GAP_TIMEOUT_S = 10.0
+
+
+@dataclass
+class ChoiceEvent:
+    """Newly releasable output of one choice; `finish_reason` is set on its last event."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[str, Any]] | None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+    matched_stop: str | int | None = None
+
+
+@dataclass(frozen=True)
+class Limits:
+    deadline: float  # absolute, unix seconds
+    inactivity_s: float
+
+
+@dataclass
+class ChoiceGeneration:
+    bus: GatewayBus
+    index: int
+    request: TokenizeRequest
+    stops: tuple[str, ...]
+    limits: Limits
+    traceparent: str | None = None
+    admitted: Admitted | None = None
+    _stream: RequestStream | None = field(default=None, repr=False)
+    _finished: bool = field(default=False, repr=False)
+
+    async def admit(self) -> Admitted:
+        self._stream = self.bus.open(self.request.rid)
+        self.admitted = await self.bus.admit(self._stream, self.request, self.traceparent)
+        return self.admitted
+
+    def close(self) -> None:
+        """Idempotent; aborts at the schedulers unless the choice finished there."""
+        if self._stream is not None:
+            self.bus.close(self._stream, abort=not self._finished)
+            self._finished = True
+
+    async def events(self) -> AsyncIterator[ChoiceEvent]:
+        assert self._stream is not None, "admit() first"
+        want_logprobs = bool(self.request.sampling.get("logprobs"))
+        stop_filter: StopStringFilter[dict[str, Any]] = StopStringFilter(self.stops)
+        tokens: list[int] = []
+        last_output = time.monotonic()
+        while True:
+            delta = await self._stream.next(_POLL_S)
+            if delta is None:
+                self._raise_if_stuck(last_output)
+                continue
+            last_output = time.monotonic()
+            _raise_if_failed(delta)
+            released = stop_filter.push(delta.text, delta.logprobs)
+            tokens.extend(delta.token_ids)
+            event = ChoiceEvent(
+                self.index,
+                released.text,
+                list(delta.token_ids),
+                released.items if want_logprobs else None,
+                delta.prompt_tokens or (self.admitted.prompt_tokens if self.admitted else 0),
+                delta.cached_tokens,
+                delta.completion_tokens,
+            )
+            if stop_filter.stopped:
+                # The scheduler is still generating: close() aborts it.
+                event.finish_reason, event.matched_stop = "stop", stop_filter.matched
+                yield event
+                return
+            if delta.finished:
+                tail = stop_filter.flush()
+                event.text += tail.text
+                if want_logprobs:
+                    event.logprobs = [*released.items, *tail.items]
+                event.finish_reason = delta.finish_reason
+                if delta.finish_reason == "stop" and tokens:
+                    event.matched_stop = tokens[-1]
+                self._finished = True
+                yield event
+                return
+            yield event
+
+    def _raise_if_stuck(self, last_output: float) -> None:
+        assert self._stream is not None
+        if time.time() >= self.limits.deadline:
+            raise DeadlineExceededError("the request exceeded its deadline")
+        if time.monotonic() - last_output > self.limits.inactivity_s:
+            raise DeadlineExceededError(f"no output from the scheduler for {self.limits.inactivity_s:g} s")
+        instance = self._stream.instance_id
+        if instance is not None and self.bus.scheduler_gone(instance):
+            raise ServiceUnavailableError(
+                f"scheduler instance {instance} stopped responding; the request was lost"
+            )
+        if self._stream.gap_age() > _GAP_TIMEOUT_S:
+            raise ServiceUnavailableError("part of the output stream was lost in transit")
+
+
+def _raise_if_failed(delta: TextDelta) -> None:
+    if delta.error is not None:
+        raise error_from_dict(delta.error)
+    if delta.finished and delta.finish_reason not in ("stop", "length"):
+        raise KubesglError(f"the scheduler ended the request ({delta.finish_reason})")

@@ -1,0 +1,106 @@
+"""POST /v1/chat/completions and /v1/completions: validate, fan out into choices, answer via the responder.
+`fan_out` is shared with the native /generate route."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import replace
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from kubesgl.openai_api.generation_spec import GenerationSpec, chat_spec, completion_spec
+from kubesgl.openai_api.prompt_inputs import PromptInput, chat_messages, completion_prompts
+from kubesgl.openai_api.request_models import ChatCompletionRequest, CompletionRequest
+from kubesgl.protocol import TokenizeRequest, sampling_to_dict
+from kubesgl.services.gateway.choice_group import ChoiceGroup
+from kubesgl.services.gateway.encoders import ChatEncoder, CompletionEncoder
+from kubesgl.services.gateway.gateway import Gateway
+from kubesgl.services.gateway.generation import ChoiceGeneration, Limits
+from kubesgl.services.gateway.request_scope import RequestScope
+from kubesgl.services.gateway.responder import respond
+
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions", response_model=None)
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    gw: Gateway = request.app.state.gateway
+    scope = RequestScope(gw, request, "/v1/chat/completions", body.model)
+    try:
+        spec = chat_spec(body, gw.context_len(body.model))
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        messages = chat_messages(body.messages)
+        base = TokenizeRequest(
+            rid=rid,
+            gateway_id=gw.bus.gateway_id,
+            model=body.model,
+            kind="chat",
+            sampling={},
+            deadline=gw.deadline(request),
+            messages=messages,
+            add_generation_prompt=body.add_generation_prompt,
+            chat_template_kwargs=body.chat_template_kwargs,
+        )
+        group = fan_out(gw, scope, base, [None], spec)
+    except BaseException as e:
+        scope.finish(getattr(e, "status", 500))
+        raise
+    encoder = ChatEncoder(rid, body.model, spec.n, spec.include_usage)
+    return await respond(request, scope, group, encoder, spec.stream, spec.include_usage)
+
+
+@router.post("/v1/completions", response_model=None)
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    gw: Gateway = request.app.state.gateway
+    scope = RequestScope(gw, request, "/v1/completions", body.model)
+    try:
+        spec = completion_spec(body, gw.context_len(body.model))
+        prompts = completion_prompts(body.prompt)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        base = TokenizeRequest(
+            rid=rid,
+            gateway_id=gw.bus.gateway_id,
+            model=body.model,
+            kind="completion",
+            sampling={},
+            deadline=gw.deadline(request),
+        )
+        group = fan_out(gw, scope, base, prompts, spec)
+    except BaseException as e:
+        scope.finish(getattr(e, "status", 500))
+        raise
+    encoder = CompletionEncoder(rid, body.model, len(prompts), spec.include_usage)
+    return await respond(request, scope, group, encoder, spec.stream, spec.include_usage)
+
+
+def fan_out(
+    gw: Gateway,
+    scope: RequestScope,
+    base: TokenizeRequest,
+    prompts: list[PromptInput | None],
+    spec: GenerationSpec,
+) -> ChoiceGroup:
+    """One child per (prompt, sample): choice index p * n + i, rid `<rid>-<index>` when there are several."""
+    total = len(prompts) * spec.n
+    limits = Limits(deadline=base.deadline, inactivity_s=gw.config.inactivity_timeout_s)
+    choices = []
+    for p, prompt in enumerate(prompts):
+        for i in range(spec.n):
+            index = p * spec.n + i
+            req = replace(
+                base,
+                rid=base.rid if total == 1 else f"{base.rid}-{index}",
+                sampling=sampling_to_dict(spec.params_for_choice(i)),
+                **_prompt_fields(prompt),
+            )
+            choices.append(ChoiceGeneration(gw.bus, index, req, spec.stop, limits, scope.traceparent))
+    return ChoiceGroup(choices)
+
+
+def _prompt_fields(prompt: PromptInput | None) -> dict[str, Any]:
+    if prompt is None:
+        return {}
+    if prompt.text is not None:
+        return {"kind": "completion", "prompt": prompt.text}
+    return {"kind": "tokens", "input_ids": list(prompt.input_ids or ())}

@@ -1,0 +1,61 @@
+"""Operational routes: /health (process alive), /ready (NATS connected and a scheduler live), /metrics
+(Prometheus), and /v1/models (the models live schedulers announce)."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from kubesgl.errors import ModelNotFoundError
+from kubesgl.services.gateway.gateway import Gateway
+from kubesgl.telemetry.metrics import render
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health() -> PlainTextResponse:
+    return PlainTextResponse("ok\n")
+
+
+@router.get("/ready")
+async def ready(request: Request) -> PlainTextResponse:
+    gw: Gateway = request.app.state.gateway
+    if not gw.bus.connected:
+        return PlainTextResponse("not ready: NATS disconnected\n", status_code=503)
+    if not any(not hb.draining for hb in gw.registry.live()):
+        return PlainTextResponse("not ready: no live scheduler\n", status_code=503)
+    return PlainTextResponse("ready\n")
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    body, content_type = render(request.app.state.metrics_registry)
+    return Response(body, media_type=content_type)
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> JSONResponse:
+    gw: Gateway = request.app.state.gateway
+    models = gw.registry.models()
+    return JSONResponse({"object": "list", "data": [_card(m, ctx) for m, ctx in sorted(models.items())]})
+
+
+@router.get("/v1/models/{model:path}")
+async def get_model(model: str, request: Request) -> JSONResponse:
+    gw: Gateway = request.app.state.gateway
+    models = gw.registry.models()
+    if model not in models:
+        raise ModelNotFoundError(f"The model '{model}' does not exist", param="model")
+    return JSONResponse(_card(model, models[model]))
+
+
+def _card(model: str, context_len: int) -> dict[str, object]:
+    return {
+        "id": model,
+        "object": "model",
+        "created": int(time.time()),
+        "owned_by": "kubesgl",
+        "max_model_len": context_len,
+    }

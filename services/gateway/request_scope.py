@@ -1,0 +1,40 @@
+"""What one HTTP generation request holds until its response ends (its concurrency lease, metrics timer and
+trace span), released exactly once whichever way the response ends."""
+
+from __future__ import annotations
+
+from fastapi import Request
+from kubesgl.services.gateway.api_keys import ANONYMOUS
+from kubesgl.services.gateway.gateway import Gateway
+from kubesgl.telemetry.tracing import ATTR_MODEL, SPAN_GATEWAY_REQUEST, traceparent
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+# nginx's "client closed request": the client left before the answer.
+CLIENT_CLOSED = 499
+
+
+class RequestScope:
+    def __init__(self, gw: Gateway, request: Request, endpoint: str, model: str | None) -> None:
+        key = getattr(request.state, "api_key", ANONYMOUS)
+        self._lease = gw.limit.acquire(key)  # 429 before any work
+        label = gw.metrics_model(model)
+        self.metrics = gw.metrics.request(label, endpoint)
+        self._span = gw.tracing.start_span(
+            SPAN_GATEWAY_REQUEST,
+            parent=dict(request.headers),
+            attributes={ATTR_MODEL: label, "http.route": endpoint},
+            kind=SpanKind.SERVER,
+        )
+        self.traceparent = traceparent(self._span)
+        self._open = True
+
+    def finish(self, status: int) -> None:
+        if not self._open:
+            return
+        self._open = False
+        self._lease.release()
+        self.metrics.finish(status)
+        self._span.set_attribute("http.response.status_code", status)
+        if status >= 500:
+            self._span.set_status(Status(StatusCode.ERROR))
+        self._span.end()

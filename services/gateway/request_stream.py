@@ -1,0 +1,66 @@
+"""One request's inbox at the gateway: TextDeltas reordered by `seq`, duplicates dropped, and only those of
+the scheduler instance that admitted it kept (a retried admission may have reached a second instance)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from kubesgl.protocol import TextDelta
+
+
+class RequestStream:
+    def __init__(self, rid: str) -> None:
+        self.rid = rid
+        self.instance_id: str | None = None
+        self._next_seq = 0
+        self._held: dict[str, dict[int, TextDelta]] = {}  # out-of-order deltas, per sending instance
+        self._ready: asyncio.Queue[TextDelta] = asyncio.Queue()
+        self._gap_since: float | None = (
+            None  # monotonic time a later delta arrived while `_next_seq` is missing
+        )
+
+    def adopt(self, instance_id: str) -> list[str]:
+        """The Admitted reply named `instance_id`; returns the other instances that sent deltas (to abort)."""
+        self.instance_id = instance_id
+        others = [i for i in self._held if i != instance_id]
+        for other in others:
+            del self._held[other]
+        self._release()
+        return others
+
+    def offer(self, delta: TextDelta) -> bool:
+        """Takes a delta; False when it came from an instance other than the adopted one. An error from a stage
+        before any scheduler (empty instance_id) is taken at once."""
+        if delta.instance_id and self.instance_id is not None and delta.instance_id != self.instance_id:
+            return False
+        if delta.error is not None and (not delta.instance_id or delta.instance_id == self.instance_id):
+            self._ready.put_nowait(delta)  # an error ends the request whatever came before it
+            return True
+        if delta.seq >= self._next_seq:
+            self._held.setdefault(delta.instance_id, {}).setdefault(delta.seq, delta)
+            self._release()
+        return True
+
+    def gap_age(self) -> float:
+        """Seconds the stream has been stuck on a missing delta while later ones wait (0 when not stuck)."""
+        return 0.0 if self._gap_since is None else time.monotonic() - self._gap_since
+
+    async def next(self, timeout: float) -> TextDelta | None:
+        """The next in-order delta, or None after `timeout` seconds without one."""
+        try:
+            return await asyncio.wait_for(self._ready.get(), timeout)
+        except TimeoutError:
+            return None
+
+    def _release(self) -> None:
+        if self.instance_id is None:
+            return
+        held = self._held.get(self.instance_id, {})
+        while self._next_seq in held:
+            self._ready.put_nowait(held.pop(self._next_seq))
+            self._next_seq += 1
+        if not held:
+            self._gap_since = None
+        elif self._gap_since is None:
+            self._gap_since = time.monotonic()

@@ -1,0 +1,121 @@
+"""Answers one generation request from its ChoiceGroup: admission first (so a refusal is a plain HTTP error
+with its status), then either an SSE stream or one JSON body. A client that goes away aborts the request at
+its schedulers; an error after the stream started is sent as an SSE error event before `[DONE]`."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from kubesgl.errors import KubesglError
+from kubesgl.openai_api.http_errors import error_body
+from kubesgl.openai_api.responses import sse
+from kubesgl.services.gateway.choice_group import ChoiceGroup
+from kubesgl.services.gateway.encoders import Encoder
+from kubesgl.services.gateway.request_scope import CLIENT_CLOSED, RequestScope
+from starlette.types import Receive, Scope, Send
+
+log = logging.getLogger("kubesgl.gateway")
+
+T = TypeVar("T")
+_DISCONNECT_POLL_S = 0.5
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready."""
+
+
+async def respond(
+    request: Request,
+    scope: RequestScope,
+    group: ChoiceGroup,
+    encoder: Encoder,
+    stream: bool,
+    include_usage: bool = False,
+) -> Response:
+    try:
+        await until_disconnect(request, group.admit())
+        if stream:
+            events = _sse_events(group, encoder, scope, include_usage)
+            return ClosingStreamingResponse(events, on_close=lambda: _close(group, scope, 200))
+        results = await until_disconnect(request, group.collect())
+    except KubesglError as e:
+        _close(group, scope, e.status)
+        raise
+    except ClientGone:
+        _close(group, scope, CLIENT_CLOSED)
+        return Response(status_code=CLIENT_CLOSED)
+    except BaseException:
+        _close(group, scope, 500)
+        raise
+    scope.metrics.on_tokens(sum(r.completion_tokens for r in results))
+    _close(group, scope, 200)
+    return JSONResponse(encoder.final(results))
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Awaits `work`, cancelling it (and raising ClientGone) if the client disconnects meanwhile."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise ClientGone()
+    finally:
+        task.cancel()
+
+
+def _close(group: ChoiceGroup, scope: RequestScope, status: int) -> None:
+    group.close()
+    scope.finish(status)
+
+
+async def _sse_events(
+    group: ChoiceGroup, encoder: Encoder, scope: RequestScope, include_usage: bool
+) -> AsyncIterator[bytes]:
+    status = CLIENT_CLOSED  # unless the stream reaches its end
+    try:
+        for chunk in encoder.prelude():
+            yield sse(chunk)
+        async for event in group.events():
+            for chunk in encoder.chunks(event):
+                yield sse(chunk)
+            scope.metrics.on_tokens(len(event.token_ids))
+        if include_usage:
+            yield sse(encoder.usage_chunk())
+        status = 200
+    except KubesglError as e:
+        status = e.status
+        yield sse(error_body(e))
+    except Exception:
+        log.exception("stream failed")
+        status = 500
+        yield sse(error_body(KubesglError("internal error")))
+    finally:
+        # Runs on a client disconnect too (the generator is cancelled): free the request's pages at once.
+        _close(group, scope, status)
+    yield sse("[DONE]")
+
+
+class ClosingStreamingResponse(StreamingResponse):
+    """A StreamingResponse that runs `on_close` however it ends, even if its body is never iterated."""
+
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
+        super().__init__(
+            content,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
