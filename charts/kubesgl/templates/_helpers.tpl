@@ -68,12 +68,12 @@ kubesgl.io/nats-client: "true"
 {{- end -}}
 {{- end -}}
 
-{{/* The image block the scheduler runs: CUDA for GPU pods, CPU otherwise. */}}
+{{/* The image block the scheduler runs: CUDA for GPU pods, the CPU-torch image otherwise. */}}
 {{- define "kubesgl.schedulerImage" -}}
 {{- if eq .Values.scheduler.device "cuda" -}}
 {{- toYaml .Values.image.cuda -}}
 {{- else -}}
-{{- toYaml .Values.image.cpu -}}
+{{- toYaml .Values.image.cpuScheduler -}}
 {{- end -}}
 {{- end -}}
 

@@ -1,0 +1,42 @@
+"""Prints the package's runtime requirements from pyproject.toml, minus the ones an image leaves out.
+
+The CPU image (gateway, tokenizer, detokenizer) installs everything but torch: those services never
+import it, and the CUDA build of torch alone is gigabytes. Reading pyproject keeps the image in step
+with the package without a second, hand-kept list.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import tomllib
+from pathlib import Path
+
+
+def requirement_name(requirement: str) -> str:
+    """Normalised distribution name of a PEP 508 requirement string."""
+    match = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)", requirement)
+    if match is None:
+        raise ValueError(f"not a requirement: {requirement!r}")
+    return re.sub(r"[-_.]+", "-", match.group(1)).lower()
+
+
+def runtime_requirements(pyproject: Path, without: set[str]) -> list[str]:
+    """The [project] dependencies whose names are not in `without`."""
+    project = tomllib.loads(pyproject.read_text())["project"]
+    dropped = {requirement_name(name) for name in without}
+    return [req for req in project["dependencies"] if requirement_name(req) not in dropped]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pyproject", type=Path, default=Path("pyproject.toml"))
+    parser.add_argument("--without", action="append", default=[], help="distribution to leave out")
+    args = parser.parse_args(argv)
+    sys.stdout.write("".join(f"{req}\n" for req in runtime_requirements(args.pyproject, set(args.without))))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
