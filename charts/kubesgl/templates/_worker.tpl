@@ -54,8 +54,14 @@ spec:
             - {{ .component }}
             - --model
             - {{ include "kubesgl.modelPath" $root | quote }}
+            {{- if eq .component "tokenizer" }}
+            - --served-model-name
+            - {{ include "kubesgl.servedModelName" $root | quote }}
+            {{- end }}
             - --admin-port
-            - {{ $s.adminPort | quote }}
+            - {{ $s.adminPort | int64 | quote }}
+            - --drain-timeout
+            - {{ $s.drainTimeoutSeconds | int64 | quote }}
             {{- range $s.extraArgs }}
             - {{ . | quote }}
             {{- end }}
