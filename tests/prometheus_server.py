@@ -1,0 +1,112 @@
+"""A real Prometheus server for tests (Debian package `prometheus`): scrapes the given /metrics targets every
+second on loopback and answers PromQL through its HTTP API."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+INSTALL_HINT = "install it with: apt-get update && apt-get install -y prometheus"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class PrometheusServer:
+    """`targets` maps a job name to host:port addresses serving /metrics."""
+
+    def __init__(self, workdir: Path, targets: dict[str, list[str]]) -> None:
+        binary = shutil.which("prometheus")
+        if binary is None:
+            raise RuntimeError(f"the prometheus binary is not on PATH; {INSTALL_HINT}")
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = workdir / "prometheus.yml"
+        config.write_text(json.dumps(_config(targets)))  # JSON is YAML
+        self._log = (workdir / "prometheus.log").open("w")
+        self._proc = subprocess.Popen(
+            [
+                binary,
+                f"--config.file={config}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+                f"--storage.tsdb.path={workdir / 'data'}",
+                "--log.level=warn",
+            ],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
+        self._logfile = workdir / "prometheus.log"
+
+    def wait_ready(self, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise RuntimeError(
+                    f"prometheus exited {self._proc.returncode}: {self._logfile.read_text()[-2000:]}"
+                )
+            try:
+                with urllib.request.urlopen(self.url + "/-/ready", timeout=1) as resp:
+                    if resp.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError):
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"prometheus not ready within {timeout_s}s: {self._logfile.read_text()[-2000:]}")
+
+    def api(self, path: str, **params: str) -> Any:
+        """GET /api/v1/<path>; returns `data`, raises with Prometheus's error for a bad query."""
+        url = f"{self.url}/api/v1/{path}?{urllib.parse.urlencode(params)}"
+        try:
+            with urllib.request.urlopen(url, timeout=10) as resp:
+                body = json.load(resp)
+        except urllib.error.HTTPError as e:
+            body = json.load(e)
+        if body.get("status") != "success":
+            raise ValueError(f"{path} {params}: {body.get('errorType')}: {body.get('error')}")
+        return body["data"]
+
+    def query(self, expr: str) -> list[dict[str, Any]]:
+        """An instant query's result vector."""
+        return self.api("query", query=expr)["result"]
+
+    def wait_for(self, expr: str, ok: Callable[[list[dict[str, Any]]], bool], timeout_s: float) -> list[dict]:
+        deadline = time.monotonic() + timeout_s
+        result: list[dict[str, Any]] = []
+        while time.monotonic() < deadline:
+            result = self.query(expr)
+            if ok(result):
+                return result
+            time.sleep(0.5)
+        raise AssertionError(f"{expr} never satisfied the condition in {timeout_s}s; last result {result}")
+
+    def stop(self) -> None:
+        self._proc.terminate()
+        try:
+            self._proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait(5)
+        self._log.close()
+
+
+def _config(targets: dict[str, list[str]]) -> dict[str, Any]:
+    return {
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s", "scrape_timeout": "1s"},
+        "scrape_configs": [
+            {"job_name": job, "static_configs": [{"targets": addrs}]}
+            for job, addrs in targets.items()
+            if addrs
+        ],
+    }
