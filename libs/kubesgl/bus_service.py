@@ -1,0 +1,93 @@
+"""How a NATS-driven service process runs: admin endpoint first, NATS connect (forever, until told to stop),
+start, wait for SIGTERM/SIGINT, drain, exit 0. Shared by the tokenizer, detokenizer and scheduler."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Protocol
+
+from nats.aio.client import Client
+from prometheus_client import CollectorRegistry
+
+from kubesgl.admin_http import AdminServer
+from kubesgl.lifecycle import configure_logging, stop_on_signals
+from kubesgl.nats_conn import NatsSettings, add_nats_arguments, connect
+
+log = logging.getLogger("kubesgl.service")
+
+
+class BusService(Protocol):
+    exit_code: int  # the process exit code once drained (non-zero after a fatal error)
+
+    async def start(self) -> None: ...
+
+    def ready(self) -> bool: ...
+
+    async def drain(self, timeout_s: float) -> None:
+        """Stop taking work, finish what was accepted within `timeout_s`, close the NATS connection."""
+        ...
+
+
+def add_service_arguments(parser: argparse.ArgumentParser, drain_timeout_s: float) -> None:
+    """Flags every bus service shares: NATS, the admin endpoint, logging, the drain grace period."""
+    add_nats_arguments(parser)
+    parser.add_argument(
+        "--admin-host", default="0.0.0.0", help="admin endpoint address (/health /ready /metrics)"
+    )
+    parser.add_argument(
+        "--admin-port", type=int, default=9000, help="admin endpoint port (0 = any free port)"
+    )
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=drain_timeout_s,
+        help="seconds to finish accepted work after SIGTERM before exiting",
+    )
+
+
+def run_bus_service(
+    args: argparse.Namespace,
+    name: str,
+    registry: CollectorRegistry,
+    build: Callable[[Client, asyncio.Event], Awaitable[BusService]],
+) -> int:
+    """Runs the service to completion; returns the process exit code."""
+    configure_logging(args.log_level)
+    return asyncio.run(_serve(args, name, registry, build))
+
+
+async def _serve(
+    args: argparse.Namespace,
+    name: str,
+    registry: CollectorRegistry,
+    build: Callable[[Client, asyncio.Event], Awaitable[BusService]],
+) -> int:
+    stop = stop_on_signals()
+    service: BusService | None = None
+    admin = AdminServer(
+        args.admin_host, args.admin_port, lambda: service is not None and service.ready(), registry
+    )
+    await admin.start()
+    try:
+        # Connecting retries forever (NATS may come up after us); a stop signal meanwhile ends the process.
+        connecting = asyncio.create_task(connect(NatsSettings.from_env(args.nats_url), name))
+        stopping = asyncio.create_task(stop.wait())
+        await asyncio.wait({connecting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if not connecting.done():
+            connecting.cancel()
+            return 0
+        stopping.cancel()
+        # The service may set `stop` itself, after a fatal error.
+        service = await build(connecting.result(), stop)
+        await service.start()
+        log.info("%s started", name)
+        await stop.wait()
+        await service.drain(args.drain_timeout)
+        log.info("%s stopped", name)
+        return service.exit_code
+    finally:
+        await admin.stop()

@@ -1,0 +1,293 @@
+"""`kubesgl up`: the whole mesh on one machine, exactly as it runs in pods: an embedded nats-server, then
+every service as its own OS process (replica counts as flags), ready-checked, shut down cleanly on Ctrl-C.
+
+`Stack` is also what the tests launch (tests/conftest.py), so `make up` and CI exercise the same wiring.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+
+from kubesgl.nats_server import NatsServer
+from kubesgl.process import parent_death_signal, terminate
+
+KINDS = ("scheduler", "detokenizer", "tokenizer", "gateway")  # start order: engines load meanwhile
+# Stop order: stop taking traffic first; detokenizers last so draining schedulers can still flush output.
+STOP_ORDER = ("gateway", "tokenizer", "scheduler", "detokenizer")
+DEMO = "demo"
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    model_path: str
+    served_model_name: str
+    schedulers: int = 1
+    detokenizers: int = 1
+    tokenizers: int = 1
+    gateways: int = 1
+    host: str = "127.0.0.1"
+    port: int = 8000  # gateway i listens on port + i; 0 = free ports
+    nats_port: int = 0  # 0 = a free port
+    scheduler_args: tuple[str, ...] = ()
+    gateway_args: tuple[str, ...] = ()
+    log_level: str = "info"
+    log_to_files: bool = True  # else children share the launcher's terminal
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class ServiceProcess:
+    name: str  # e.g. "scheduler-0"
+    kind: str
+    proc: subprocess.Popen[bytes]
+    ready_url: str
+    log_path: Path | None
+
+    def log_tail(self, lines: int = 30) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+
+class Stack:
+    """An embedded nats-server plus the configured replicas of every service, each its own process."""
+
+    def __init__(self, config: StackConfig, workdir: str | Path) -> None:
+        self.config = config
+        self.workdir = Path(workdir)
+        self.nats = NatsServer(self.workdir / "nats", port=config.nats_port)
+        self.services: dict[str, ServiceProcess] = {}
+        self._counts: dict[str, int] = dict.fromkeys(KINDS, 0)
+
+    @property
+    def nats_url(self) -> str:
+        return self.nats.url
+
+    @property
+    def gateway_urls(self) -> list[str]:
+        return [s.ready_url.removesuffix("/ready") for s in self.services.values() if s.kind == "gateway"]
+
+    def start(self) -> None:
+        self.nats.start()
+        c = self.config
+        for kind, n in zip(KINDS, (c.schedulers, c.detokenizers, c.tokenizers, c.gateways), strict=True):
+            for _ in range(n):
+                self.spawn(kind)
+
+    def spawn(self, kind: str, extra_args: tuple[str, ...] = ()) -> ServiceProcess:
+        """Starts one more replica of `kind` (also used by tests to scale up mid-run)."""
+        index = self._counts[kind]
+        self._counts[kind] += 1
+        name = f"{kind}-{index}"
+        c = self.config
+        args = [
+            sys.executable,
+            "-m",
+            "kubesgl.cli",
+            kind,
+            "--nats-url",
+            self.nats_url,
+            "--log-level",
+            c.log_level,
+        ]
+        if kind == "gateway":
+            port = (c.port + index) if c.port else free_port()
+            args += ["--host", c.host, "--port", str(port), *c.gateway_args]
+            ready_url = f"http://{_connect_host(c.host)}:{port}/ready"
+        else:
+            admin = free_port()
+            args += ["--model", c.model_path, "--admin-host", "127.0.0.1", "--admin-port", str(admin)]
+            if kind in ("scheduler", "tokenizer"):
+                args += ["--served-model-name", c.served_model_name]
+            if kind == "scheduler":
+                args += ["--instance-id", f"{name}-{os.getpid()}", *c.scheduler_args]
+            ready_url = f"http://127.0.0.1:{admin}/ready"
+        log_path = self.workdir / f"{name}.log" if c.log_to_files else None
+        out = open(log_path, "ab") if log_path else None  # noqa: SIM115 - the child owns it
+        try:
+            proc = subprocess.Popen(
+                [*args, *extra_args],
+                stdout=out,
+                stderr=subprocess.STDOUT if out else None,
+                env={**os.environ, **c.env},
+                # Own session: a terminal's Ctrl-C reaches only the launcher, which stops children in order.
+                start_new_session=True,
+                preexec_fn=parent_death_signal,
+            )
+        finally:
+            if out:
+                out.close()
+        self.services[name] = ServiceProcess(name, kind, proc, ready_url, log_path)
+        return self.services[name]
+
+    def wait_ready(self, timeout_s: float, names: list[str] | None = None) -> None:
+        """Blocks until every (named) service answers /ready 200; raises if one exits or time runs out."""
+        pending = set(names or self.services)
+        end = time.monotonic() + timeout_s
+        while pending:
+            for name in sorted(pending):
+                svc = self.services[name]
+                if svc.proc.poll() is not None:
+                    raise RuntimeError(
+                        f"{name} exited with {svc.proc.returncode} while starting:\n{svc.log_tail()}"
+                    )
+                if http_ok(svc.ready_url):
+                    pending.discard(name)
+            if pending and time.monotonic() > end:
+                raise TimeoutError(f"not ready after {timeout_s:.0f} s: {', '.join(sorted(pending))}")
+            if pending:
+                time.sleep(0.1)
+
+    def dead(self) -> list[ServiceProcess]:
+        return [s for s in self.services.values() if s.proc.poll() is not None]
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Stops services group by group (SIGTERM, wait, SIGKILL stragglers), then nats-server."""
+        for kind in STOP_ORDER:
+            terminate([s.proc for s in self.services.values() if s.kind == kind], timeout_s)
+        self.nats.stop()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_ok(url: str, timeout_s: float = 1.0) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def _connect_host(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "") else host
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("KUBESGL_CACHE") or Path.home() / ".cache" / "kubesgl")
+
+
+def resolve_model(model: str, served_model_name: str | None) -> tuple[str, str]:
+    """(model dir, served name); `demo` builds (once, cached) the tiny random Qwen3 with the real tokenizer."""
+    if model == DEMO:
+        from kubesgl.models.random_init import build_demo_model
+
+        return str(build_demo_model(cache_dir())), served_model_name or DEMO
+    if not Path(model, "config.json").is_file():
+        raise SystemExit(f"kubesgl up: {model} is not a model directory (no config.json)")
+    return model, served_model_name or os.path.basename(os.path.normpath(model))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", default=DEMO, help="HF model dir, or `demo` (tiny random Qwen3, built once)"
+    )
+    parser.add_argument("--served-model-name", default=None, help="model id clients send")
+    parser.add_argument("--host", default="127.0.0.1", help="gateway address")
+    parser.add_argument("--port", type=int, default=8000, help="gateway port (gateway i gets port + i)")
+    parser.add_argument("--nats-port", type=int, default=0, help="embedded nats-server port (0 = free)")
+    parser.add_argument("--gateways", type=int, default=1)
+    parser.add_argument("--tokenizers", type=int, default=1)
+    parser.add_argument("--detokenizers", type=int, default=1)
+    parser.add_argument("--schedulers", type=int, default=1)
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per scheduler")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--scheduler-args", default="", help="extra scheduler flags, e.g. '--page-size 16'")
+    parser.add_argument("--gateway-args", default="", help="extra gateway flags")
+    parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for /ready")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def main(args: argparse.Namespace) -> int:
+    model_path, name = resolve_model(args.model, args.served_model_name)
+    config = StackConfig(
+        model_path=model_path,
+        served_model_name=name,
+        schedulers=args.schedulers,
+        detokenizers=args.detokenizers,
+        tokenizers=args.tokenizers,
+        gateways=args.gateways,
+        host=args.host,
+        port=args.port,
+        nats_port=args.nats_port,
+        scheduler_args=("--tp", str(args.tp), "--device", args.device, *shlex.split(args.scheduler_args)),
+        gateway_args=tuple(shlex.split(args.gateway_args)),
+        log_level=args.log_level,
+        log_to_files=False,
+    )
+    workdir = Path(tempfile.mkdtemp(prefix="kubesgl-up-"))
+    stack = Stack(config, workdir)
+    stopping: list[int] = []
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        stopping.append(signum)
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    code = 0
+    try:
+        stack.start()
+        print(f"kubesgl: starting {_summary(config)} (model {model_path})", flush=True)
+        code = _wait_ready(stack, args.ready_timeout, stopping)
+        if code == 0 and not stopping:
+            urls = ", ".join(f"{u}/v1" for u in stack.gateway_urls)
+            print(f"kubesgl: serving `{name}` at {urls}  (NATS {stack.nats_url}; Ctrl-C to stop)", flush=True)
+            code = _supervise(stack, stopping)
+    finally:
+        print("kubesgl: shutting down", flush=True)
+        stack.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+        print("kubesgl: stopped", flush=True)
+    return code
+
+
+def _summary(c: StackConfig) -> str:
+    counts = (c.gateways, c.tokenizers, c.schedulers, c.detokenizers)
+    return ", ".join(f"{n} {k}(s)" for n, k in zip(counts, STOP_ORDER, strict=True))
+
+
+def _wait_ready(stack: Stack, timeout_s: float, stopping: list[int]) -> int:
+    end = time.monotonic() + timeout_s
+    while not stopping:
+        try:
+            stack.wait_ready(min(1.0, max(0.0, end - time.monotonic())))
+            return 0
+        except TimeoutError:
+            if time.monotonic() > end:
+                print(f"kubesgl: services not ready within {timeout_s:.0f} s", file=sys.stderr)
+                return 1
+        except RuntimeError as e:
+            print(f"kubesgl: {e}", file=sys.stderr)
+            return 1
+    return 0
+
+
+def _supervise(stack: Stack, stopping: list[int]) -> int:
+    """Waits for Ctrl-C/SIGTERM; a service that dies on its own takes the stack down (exit 1)."""
+    while not stopping:
+        dead = stack.dead()
+        if dead:
+            for s in dead:
+                print(f"kubesgl: {s.name} exited with {s.proc.returncode}", file=sys.stderr)
+            return 1
+        with contextlib.suppress(InterruptedError):
+            time.sleep(0.2)
+    return 0

@@ -1,0 +1,123 @@
+"""Connecting a service to NATS: URL, credentials and TLS from flags/env, reconnecting forever with backoff.
+
+A service never gives up on NATS: the first connect and every reconnect retry until the process is told to
+stop, so a NATS restart (or NATS starting after the service, as in a fresh Kubernetes namespace) is survived.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import random
+import ssl
+from dataclasses import dataclass
+from typing import Any
+
+from nats.aio.client import Client
+
+log = logging.getLogger("kubesgl.nats")
+
+DEFAULT_URL = "nats://127.0.0.1:4222"
+# Reconnect backoff: doubling from the first delay up to the cap, with jitter so replicas do not stampede.
+_BACKOFF_FIRST_S = 0.1
+_BACKOFF_CAP_S = 2.0
+
+
+@dataclass(frozen=True)
+class NatsSettings:
+    """Where and how to connect; secrets come from the environment (a Kubernetes Secret), never from flags."""
+
+    urls: tuple[str, ...]
+    user: str | None = None
+    password: str | None = None
+    token: str | None = None
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+
+    @classmethod
+    def from_env(cls, url: str | None = None, env: dict[str, str] | None = None) -> NatsSettings:
+        env = dict(os.environ) if env is None else env
+        raw = url or env.get("KUBESGL_NATS_URL") or DEFAULT_URL
+        return cls(
+            urls=tuple(u.strip() for u in raw.split(",") if u.strip()),
+            user=env.get("KUBESGL_NATS_USER") or None,
+            password=env.get("KUBESGL_NATS_PASSWORD") or None,
+            token=env.get("KUBESGL_NATS_TOKEN") or None,
+            tls_ca=env.get("KUBESGL_NATS_TLS_CA") or None,
+            tls_cert=env.get("KUBESGL_NATS_TLS_CERT") or None,
+            tls_key=env.get("KUBESGL_NATS_TLS_KEY") or None,
+        )
+
+    def tls_context(self) -> ssl.SSLContext | None:
+        if not (self.tls_ca or self.tls_cert):
+            return None
+        ctx = ssl.create_default_context(cafile=self.tls_ca)
+        if self.tls_cert:
+            ctx.load_cert_chain(self.tls_cert, self.tls_key)
+        return ctx
+
+
+def add_nats_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--nats-url",
+        default=None,
+        help=f"NATS server URL(s), comma-separated (env KUBESGL_NATS_URL, default {DEFAULT_URL}); "
+        "credentials and TLS come from KUBESGL_NATS_USER/PASSWORD/TOKEN and KUBESGL_NATS_TLS_CA/CERT/KEY",
+    )
+
+
+async def connect(settings: NatsSettings, name: str) -> Client:
+    """A connected client that logs disconnects/reconnects and keeps reconnecting until closed."""
+
+    async def on_error(e: Exception) -> None:
+        log.warning("nats %s: %s: %s", name, type(e).__name__, e)
+
+    async def on_disconnect() -> None:
+        if not (nc.is_closed or nc.is_draining or nc.is_draining_pubs):  # a drain also ends in a disconnect
+            log.warning("nats %s: disconnected; reconnecting", name)
+
+    async def on_reconnect() -> None:
+        log.info("nats %s: reconnected to %s", name, _netloc(nc))
+
+    async def on_closed() -> None:
+        log.info("nats %s: connection closed", name)
+
+    nc = Client()
+    options: dict[str, Any] = {
+        "servers": list(settings.urls),
+        "name": name,
+        "error_cb": on_error,
+        "disconnected_cb": on_disconnect,
+        "reconnected_cb": on_reconnect,
+        "closed_cb": on_closed,
+        "allow_reconnect": True,
+        "max_reconnect_attempts": -1,
+        "reconnect_time_wait": _BACKOFF_CAP_S,
+        "reconnect_to_server_handler": _backoff,
+        "connect_timeout": 2,
+        "ping_interval": 5,  # a dead server is noticed within ~10 s even without traffic
+        "max_outstanding_pings": 2,
+        "drain_timeout": 10,
+        "tls": settings.tls_context(),
+        "user": settings.user,
+        "password": settings.password,
+        "token": settings.token,
+    }
+    await nc.connect(**options)
+    log.info("nats %s: connected to %s", name, _netloc(nc))
+    return nc
+
+
+def _backoff(servers: list[Any], _info: dict[str, Any]) -> tuple[Any, float]:
+    # nats-py counts failed attempts per server in `reconnects`; the least-tried server goes next.
+    server = min(servers, key=lambda s: s.reconnects)
+    delay = min(_BACKOFF_CAP_S, _BACKOFF_FIRST_S * 2 ** min(server.reconnects, 10))
+    return server, delay * random.uniform(0.5, 1.0)
+
+
+def _netloc(nc: Client) -> str:
+    # hostname:port only: a URL's netloc may carry credentials.
+    url = nc.connected_url
+    return f"{url.hostname}:{url.port}" if url else "?"

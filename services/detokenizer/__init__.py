@@ -1,0 +1,1 @@
+"""Detokenizer service: stateless incremental detokenization of TokenDeltas (NATS queue group)."""

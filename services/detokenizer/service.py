@@ -1,0 +1,126 @@
+"""The detokenizer replica: turns each TokenDelta into a TextDelta for the gateway holding the client.
+
+Stateless (kubesgl.text.incremental): any replica decodes any delta, so replicas can be killed or added
+mid-stream. It publishes the TextDelta before it acks, so a replica killed in between causes a scheduler
+retry (a duplicate the gateway drops by seq), never a lost delta.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from kubesgl.protocol import (
+    DETOK,
+    DETOKENIZER_QUEUE,
+    HEADER_RID,
+    Ack,
+    ErrorReply,
+    ProtocolError,
+    TextDelta,
+    TokenDelta,
+    gateway_subject,
+    headers,
+)
+from kubesgl.telemetry.metrics import DetokenizerMetrics
+from kubesgl.telemetry.tracing import ATTR_RID, ATTR_SEQ, SPAN_DETOKENIZE, Tracing, traceparent
+from kubesgl.text.incremental import delta_text
+from kubesgl.text.tokenizer import ModelTokenizer
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+log = logging.getLogger("kubesgl.detokenizer")
+
+
+class DetokenizerService:
+    exit_code = 0
+
+    def __init__(
+        self, nc: Client, tokenizer: ModelTokenizer, metrics: DetokenizerMetrics, tracing: Tracing
+    ) -> None:
+        self.nc = nc
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.tracing = tracing
+        self._sub: Subscription | None = None
+
+    async def start(self) -> None:
+        # Handled in arrival order on one subscription: decoding is microseconds and publish only buffers.
+        self._sub = await self.nc.subscribe(DETOK, queue=DETOKENIZER_QUEUE, cb=self._on_delta)
+
+    def ready(self) -> bool:
+        return self.nc.is_connected and self._sub is not None
+
+    async def drain(self, timeout_s: float) -> None:
+        await self.nc.drain()
+
+    async def _on_delta(self, msg: Msg) -> None:
+        with self.metrics.requests.track() as status:
+            try:
+                delta = TokenDelta.from_bytes(msg.data)
+            except ProtocolError as e:
+                rid = (msg.headers or {}).get(HEADER_RID, "")
+                log.error("malformed TokenDelta for rid %r: %s", rid, e)
+                status.status = 400
+                err = ErrorReply(rid=rid, status=400, type="invalid_request_error", message=str(e))
+                await msg.respond(err.to_bytes())
+                return
+            attrs = {ATTR_RID: delta.rid, ATTR_SEQ: delta.seq}
+            with self.tracing.span(SPAN_DETOKENIZE, msg.headers, attrs) as span:
+                text = self.text_delta(delta)
+                await self.nc.publish(
+                    gateway_subject(delta.gateway_id),
+                    text.to_bytes(),
+                    headers=headers(delta.rid, traceparent=traceparent(span)),
+                )
+            self.metrics.on_decoded(len(delta.tokens) - delta.new_from)
+            if msg.reply:
+                await msg.respond(Ack(rid=delta.rid, seq=delta.seq).to_bytes())
+
+    def text_delta(self, delta: TokenDelta) -> TextDelta:
+        """The TextDelta for one TokenDelta; a delta that cannot be decoded ends its stream with an error."""
+        new_ids = delta.tokens[delta.new_from :]
+        error = delta.error
+        try:
+            text = delta_text(self.tokenizer.decode, delta.tokens, delta.new_from, delta.finished)
+            logprobs = [self._logprob(lp) for lp in delta.logprobs] if delta.logprobs is not None else None
+        except Exception as e:  # a token id the tokenizer cannot decode must not crash the replica
+            log.error("cannot decode delta %s of %s: %s", delta.seq, delta.rid, e)
+            text, logprobs = "", None
+            error = {
+                "status": 500,
+                "type": "internal_error",
+                "code": None,
+                "param": None,
+                "message": f"detokenization failed: {e}",
+            }
+        return TextDelta(
+            rid=delta.rid,
+            instance_id=delta.instance_id,
+            seq=delta.seq,
+            text=text,
+            token_ids=new_ids,
+            finished=delta.finished or error is not None,
+            finish_reason=delta.finish_reason if error is None else (delta.finish_reason or "abort"),
+            prompt_tokens=delta.prompt_tokens,
+            cached_tokens=delta.cached_tokens,
+            completion_tokens=delta.completion_tokens,
+            logprobs=logprobs,
+            error=error,
+        )
+
+    def _logprob(self, lp: dict[str, Any]) -> dict[str, Any]:
+        tok = self.tokenizer
+        top = [
+            {"token": tok.token_text(t), "token_id": t, "logprob": p, "bytes": list(tok.token_bytes(t))}
+            for t, p in lp.get("top", [])
+        ]
+        tid = lp["token_id"]
+        return {
+            "token": tok.token_text(tid),
+            "token_id": tid,
+            "logprob": lp["logprob"],
+            "bytes": list(tok.token_bytes(tid)),
+            "top": top,
+        }

@@ -1,0 +1,117 @@
+"""`kubesgl scheduler`: flags and process entry of one scheduler instance (rank 0; TP ranks are spawned by
+the Engine)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+
+from kubesgl.bus_service import add_service_arguments, run_bus_service
+from kubesgl.engine.config import EngineConfig
+from kubesgl.engine.engine import Engine
+from kubesgl.engine.types import ModelInfo
+from kubesgl.services.scheduler.engine_loop import EngineLoop
+from kubesgl.services.scheduler.service import SchedulerService
+from kubesgl.telemetry.metrics import SchedulerMetrics, new_registry
+from kubesgl.telemetry.scheduler import SchedulerTelemetry
+from kubesgl.telemetry.tracing import Tracing
+from nats.aio.client import Client
+
+_DEFAULTS = EngineConfig(model_path="")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = _DEFAULTS
+    parser.add_argument("--model", required=True, help="HF model directory")
+    parser.add_argument("--served-model-name", default=None, help="model id clients send (default: dir name)")
+    parser.add_argument("--instance-id", default=None, help="this instance's id (default: the pod hostname)")
+    parser.add_argument("--tp", type=int, default=d.tp_size, help="tensor-parallel ranks (one per GPU)")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--page-size", type=int, default=d.page_size, help="tokens per KV page")
+    parser.add_argument("--cache", default=d.cache, choices=["radix", "naive"], help="prefix cache")
+    parser.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
+    parser.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=1024,
+        help="admitted requests waiting beyond the running ones; more are refused with 503",
+    )
+    parser.add_argument(
+        "--max-prefill-length", type=int, default=d.max_prefill_tokens, help="chunked-prefill tokens per step"
+    )
+    parser.add_argument("--num-pages", type=int, default=d.num_pages, help="KV pages (default: from memory)")
+    parser.add_argument("--memory-ratio", type=float, default=d.memory_ratio, help="GPU memory share to use")
+    parser.add_argument("--context-length", type=int, default=d.max_seq_len_override, help="cap the context")
+    parser.add_argument("--attn", default=d.attn, help="attention backend: torch|triton|flashinfer|fa3|auto")
+    parser.add_argument("--cuda-graph-max-bs", type=int, default=d.cuda_graph_max_bs, help="0 disables")
+    parser.add_argument("--disable-overlap", action="store_true", help="no overlap scheduling")
+    parser.add_argument("--seed", type=int, default=d.seed, help="sampling seed for unseeded requests")
+    add_service_arguments(parser, drain_timeout_s=30.0)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    device = args.device
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return EngineConfig(
+        model_path=args.model,
+        device=device,
+        dtype=args.dtype,
+        tp_size=args.tp,
+        page_size=args.page_size,
+        cache=args.cache,
+        max_running_requests=args.max_running_requests,
+        max_prefill_tokens=args.max_prefill_length,
+        num_pages=args.num_pages,
+        memory_ratio=args.memory_ratio,
+        max_seq_len_override=args.context_length,
+        attn=args.attn,
+        cuda_graph_max_bs=args.cuda_graph_max_bs,
+        disable_overlap=args.disable_overlap,
+        seed=args.seed,
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    config = engine_config(args)
+    instance_id = args.instance_id or socket.gethostname()
+    model = args.served_model_name or os.path.basename(os.path.normpath(args.model))
+    registry = new_registry()
+    tracing = Tracing("kubesgl-scheduler")
+
+    def make_telemetry(info: ModelInfo) -> SchedulerTelemetry:
+        metrics = SchedulerMetrics(registry, model, info.page_size, info.num_pages)
+        return SchedulerTelemetry(metrics, tracing, instance_id, model)
+
+    def make_engine() -> Engine:
+        return Engine(config)
+
+    async def build(nc: Client, stop: asyncio.Event) -> SchedulerService:
+        def make_loop(service: SchedulerService) -> EngineLoop:
+            return EngineLoop(
+                make_engine,
+                make_telemetry,
+                service.engine_loaded,
+                service.engine_outputs,
+                service.engine_failed,
+            )
+
+        return SchedulerService(
+            nc,
+            instance_id,
+            model,
+            config.max_running_requests,
+            args.max_queued_requests,
+            make_loop,
+            stop,
+        )
+
+    try:
+        return run_bus_service(args, f"scheduler-{instance_id}", registry, build)
+    finally:
+        tracing.shutdown()

@@ -1,0 +1,146 @@
+"""The engine thread: owns the Engine and runs its blocking step loop, fed by commands from the event loop.
+
+NATS lives in asyncio on the main thread; the engine's compute blocks, so it runs here. The only ways in are
+commands on a thread-safe queue (add, abort, stats, stop); the only ways out are the callbacks given at
+construction, which the service makes thread-safe (loop.call_soon_threadsafe). Nothing here blocks on NATS.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kubesgl.engine.engine import Engine
+from kubesgl.engine.sampling import SamplingParams
+from kubesgl.engine.types import EngineStats, ModelInfo, RequestOutput
+from kubesgl.errors import KubesglError
+from kubesgl.telemetry.scheduler import SchedulerTelemetry
+
+log = logging.getLogger("kubesgl.scheduler.engine")
+
+_IDLE_WAIT_S = 0.05
+_STATS_EVERY_S = 0.1
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    done: Callable[[KubesglError | None], None]  # None = admitted
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    rid: str
+
+
+@dataclass(frozen=True)
+class QueryStats:
+    done: Callable[[EngineStats], None]
+
+
+@dataclass(frozen=True)
+class StopEngine:
+    pass
+
+
+Command = AddRequest | AbortRequest | QueryStats | StopEngine
+
+
+class EngineLoop:
+    """Runs `make_engine()` and then its step loop on a dedicated thread."""
+
+    def __init__(
+        self,
+        make_engine: Callable[[], Engine],
+        make_telemetry: Callable[[ModelInfo], SchedulerTelemetry],
+        on_loaded: Callable[[ModelInfo], None],
+        on_outputs: Callable[[list[RequestOutput], dict[str, str | None]], None],
+        on_fatal: Callable[[BaseException], None],
+    ) -> None:
+        self._make_engine = make_engine
+        self._make_telemetry = make_telemetry
+        self.telemetry: SchedulerTelemetry | None = None  # set once the model is loaded (it names the pool)
+        self._on_loaded = on_loaded
+        self._on_outputs = on_outputs
+        self._on_fatal = on_fatal
+        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self.stats: EngineStats | None = (
+            None  # latest snapshot, replaced whole (safe to read from any thread)
+        )
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, command: Command) -> None:
+        self._commands.put(command)
+
+    def stop(self, timeout_s: float) -> None:
+        """Stops the loop after the commands already queued, and shuts the engine (and its TP ranks) down."""
+        self._commands.put(StopEngine())
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            log.error("engine thread did not stop within %.0f s", timeout_s)
+
+    def _run(self) -> None:
+        try:
+            engine = self._make_engine()
+        except BaseException as e:
+            log.exception("engine failed to load")
+            self._on_fatal(e)
+            return
+        try:
+            self.telemetry = self._make_telemetry(engine.info)
+            self.stats = engine.stats()
+            self._on_loaded(engine.info)
+            self._loop(engine, self.telemetry)
+        except BaseException as e:
+            log.exception("engine loop failed")
+            self._on_fatal(e)
+        finally:
+            engine.shutdown()
+
+    def _loop(self, engine: Engine, telemetry: SchedulerTelemetry) -> None:
+        next_stats = 0.0
+        while True:
+            for command in self._take(block=not engine.has_work()):
+                if isinstance(command, StopEngine):
+                    return
+                self._apply(engine, command)
+            if engine.has_work():
+                telemetry.on_step_start()
+                outputs = engine.step()
+                if outputs:
+                    self._on_outputs(outputs, telemetry.on_outputs(outputs))
+            if (now := time.monotonic()) >= next_stats:
+                self.stats, next_stats = engine.stats(), now + _STATS_EVERY_S
+
+    def _take(self, block: bool) -> list[Command]:
+        commands: list[Command] = []
+        try:
+            commands.append(
+                self._commands.get(timeout=_IDLE_WAIT_S) if block else self._commands.get_nowait()
+            )
+            while True:
+                commands.append(self._commands.get_nowait())
+        except queue.Empty:
+            return commands
+
+    def _apply(self, engine: Engine, command: Command) -> None:
+        if isinstance(command, AddRequest):
+            try:
+                engine.add_request(command.rid, command.input_ids, command.params)
+            except KubesglError as e:
+                command.done(e)
+            else:
+                command.done(None)
+        elif isinstance(command, AbortRequest):
+            engine.abort(command.rid)
+        elif isinstance(command, QueryStats):
+            command.done(engine.stats())

@@ -1,0 +1,372 @@
+"""The scheduler instance's NATS side (rank 0, asyncio): admission, aborts, stats, heartbeats, delta delivery,
+deadlines and drain. The engine runs on its own thread (engine_loop.py); this side never blocks it.
+
+Admission replies only after engine.add_request succeeded, so an Admitted means the engine has the request.
+A known rid is acknowledged again (the tokenizer and gateway retry with the same rid). Deltas go to the
+detokenizer queue group as requests and are retried until acked (at-least-once; the gateway drops
+duplicates by seq); per request one delta is in flight at a time, and tokens produced meanwhile are batched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+
+import nats.errors
+from kubesgl.engine.types import EngineStats, ModelInfo, RequestOutput
+from kubesgl.errors import DeadlineExceededError, KubesglError, ServiceUnavailableError
+from kubesgl.lifecycle import TaskGroup
+from kubesgl.protocol import (
+    ABORT,
+    DETOK,
+    HEADER_RID,
+    HEARTBEAT,
+    HEARTBEAT_INTERVAL_S,
+    Abort,
+    Ack,
+    Admitted,
+    ErrorReply,
+    GenerateRequest,
+    Heartbeat,
+    ProtocolError,
+    SchedulerStats,
+    TextDelta,
+    TokenDelta,
+    decode,
+    gateway_subject,
+    generate_subject,
+    headers,
+    sampling_from_dict,
+    stats_subject,
+)
+from kubesgl.services.scheduler.engine_loop import AbortRequest, AddRequest, EngineLoop, QueryStats
+from kubesgl.services.scheduler.streams import RequestStream
+from kubesgl.telemetry.scheduler import SchedulerTelemetry
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+log = logging.getLogger("kubesgl.scheduler")
+
+_RECENT_RIDS = 10_000  # finished rids remembered so a late retry of their admission is acked, not rerun
+_DEADLINE_GRACE_S = 2.0  # past its deadline the gateway has given up; after this grace, we do too
+
+
+class SchedulerService:
+    def __init__(
+        self,
+        nc: Client,
+        instance_id: str,
+        model: str,
+        max_running_requests: int,
+        max_queued_requests: int,
+        make_engine_loop: Callable[[SchedulerService], EngineLoop],
+        stop: asyncio.Event,
+        detok_timeout_s: float = 1.0,
+        delivery_give_up_s: float = 30.0,
+    ) -> None:
+        self.nc = nc
+        self.instance_id = instance_id
+        self.model = model
+        self.max_running_requests = max_running_requests
+        self.max_queued_requests = max_queued_requests
+        self.detok_timeout_s = detok_timeout_s
+        self.delivery_give_up_s = delivery_give_up_s
+        self.exit_code = 0
+        self._stop = stop
+        self._loop = asyncio.get_running_loop()
+        self._engine = make_engine_loop(self)
+        self._info: ModelInfo | None = None
+        self._loaded = asyncio.Event()
+        self._heartbeat_sent = False
+        self._draining = False
+        self._streams: dict[str, RequestStream] = {}
+        self._admissions: dict[str, asyncio.Future[KubesglError | None]] = {}
+        self._recent: OrderedDict[str, int] = OrderedDict()  # rid -> prompt_tokens
+        self._pumps: dict[str, asyncio.Task[None]] = {}
+        self._tasks = TaskGroup()
+        self._subs: list[Subscription] = []
+        self._heartbeat_task: asyncio.Task[None] | None = None
+
+    @property
+    def telemetry(self) -> SchedulerTelemetry:
+        telemetry = self._engine.telemetry
+        assert telemetry is not None, "used only once the model is loaded"
+        return telemetry
+
+    # -- engine thread callbacks (called on the engine thread; hop to the event loop) -----------------
+    def engine_loaded(self, info: ModelInfo) -> None:
+        self._loop.call_soon_threadsafe(self._on_loaded, info)
+
+    def engine_outputs(self, outputs: list[RequestOutput], parents: dict[str, str | None]) -> None:
+        self._loop.call_soon_threadsafe(self._on_outputs, outputs, parents)
+
+    def engine_failed(self, error: BaseException) -> None:
+        self._loop.call_soon_threadsafe(self._on_engine_failed, error)
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._engine.start()
+        self._subs = [
+            await self.nc.subscribe(generate_subject(self.instance_id), cb=self._on_generate),
+            await self.nc.subscribe(ABORT, cb=self._on_abort),
+            await self.nc.subscribe(stats_subject(self.instance_id), cb=self._on_stats),
+        ]
+        self._heartbeat_task = self._loop.create_task(self._heartbeats())
+
+    def ready(self) -> bool:
+        return self.nc.is_connected and self._heartbeat_sent and not self._draining
+
+    async def drain(self, timeout_s: float) -> None:
+        """Stops admitting, finishes in-flight requests within `timeout_s`, aborts the rest, exits."""
+        self._draining = True
+        log.info("draining: %d request(s) in flight, grace %.0f s", len(self._streams), timeout_s)
+        if self._loaded.is_set():
+            await self._publish_heartbeat()
+        end = time.monotonic() + timeout_s
+        while self._streams and time.monotonic() < end:
+            await asyncio.sleep(0.05)
+        for rid in list(self._streams):
+            await self._abandon(
+                rid,
+                ServiceUnavailableError(
+                    f"scheduler instance {self.instance_id} shut down before the request finished "
+                    f"(drain grace {timeout_s:.0f} s); retry the request"
+                ),
+            )
+        if self._heartbeat_task is not None:
+            self._heartbeat_task.cancel()
+        await asyncio.to_thread(self._engine.stop, 60.0)
+        await self._tasks.wait(2.0)
+        for task in list(self._pumps.values()):
+            task.cancel()
+        if not self.nc.is_closed:
+            await self.nc.drain()
+
+    # -- admission --------------------------------------------------------------------------------
+    async def _on_generate(self, msg: Msg) -> None:
+        self._tasks.spawn(self._admit(msg))
+
+    async def _admit(self, msg: Msg) -> None:
+        rid = (msg.headers or {}).get(HEADER_RID, "")
+        try:
+            req = GenerateRequest.from_bytes(msg.data)
+            rid = req.rid
+            reply: Admitted | ErrorReply = await self._add(req, msg.headers)
+        except ProtocolError as e:
+            reply = ErrorReply(rid=rid, status=400, type="invalid_request_error", message=str(e))
+        except KubesglError as e:
+            reply = ErrorReply.from_error(rid, e)
+        if msg.reply:
+            await msg.respond(reply.to_bytes())
+
+    async def _add(self, req: GenerateRequest, hdrs: dict[str, str] | None) -> Admitted:
+        admitted = Admitted(rid=req.rid, instance_id=self.instance_id, prompt_tokens=len(req.input_ids))
+        if req.rid in self._admissions:  # a retry while the first attempt is still being added
+            err = await asyncio.shield(self._admissions[req.rid])
+            if err is not None:
+                raise err
+            return admitted
+        if req.rid in self._streams or req.rid in self._recent:
+            return admitted
+        if self._draining:
+            raise ServiceUnavailableError(f"scheduler instance {self.instance_id} is draining")
+        if not self._loaded.is_set():
+            raise ServiceUnavailableError(f"scheduler instance {self.instance_id} is still loading the model")
+        if req.deadline <= time.time():
+            raise DeadlineExceededError("the request's deadline passed before it reached a scheduler")
+        params = sampling_from_dict(req.sampling)
+        queued = len(self._streams) - self.max_running_requests
+        if queued >= self.max_queued_requests:
+            raise ServiceUnavailableError(
+                f"scheduler instance {self.instance_id} is full ({queued} requests queued); retry later"
+            )
+        stream = RequestStream(
+            req.rid, req.gateway_id, req.deadline, len(req.input_ids), wants_logprobs=params.logprobs
+        )
+        # Registered before the engine sees the request, so its first outputs always find the stream.
+        self._streams[req.rid] = stream
+        future: asyncio.Future[KubesglError | None] = self._loop.create_future()
+        self._admissions[req.rid] = future
+        self.telemetry.on_arrival(req.rid, hdrs, len(req.input_ids))
+
+        def done(err: KubesglError | None) -> None:
+            self._loop.call_soon_threadsafe(future.set_result, err)
+
+        self._engine.submit(AddRequest(req.rid, list(req.input_ids), params, done))
+        try:
+            err = await future
+        finally:
+            del self._admissions[req.rid]
+        if err is not None:
+            self._streams.pop(req.rid, None)
+            self.telemetry.on_abort(req.rid)
+            raise err
+        return admitted
+
+    # -- aborts and stats -------------------------------------------------------------------------
+    async def _on_abort(self, msg: Msg) -> None:
+        try:
+            abort = Abort.from_bytes(msg.data)
+        except ProtocolError as e:
+            log.warning("ignoring malformed abort: %s", e)
+            return
+        if abort.instance_id not in (None, self.instance_id):
+            return
+        stream = self._streams.pop(abort.rid, None)
+        if stream is not None:
+            stream.abandoned = True
+            self._remember(stream)
+            self._engine.submit(AbortRequest(abort.rid))
+
+    async def _on_stats(self, msg: Msg) -> None:
+        self._tasks.spawn(self._reply_stats(msg))
+
+    async def _reply_stats(self, msg: Msg) -> None:
+        if not self._loaded.is_set():
+            reply = ErrorReply(rid="", status=503, type="service_unavailable", message="model still loading")
+            await msg.respond(reply.to_bytes())
+            return
+        future: asyncio.Future[EngineStats] = self._loop.create_future()
+        self._engine.submit(QueryStats(lambda s: self._loop.call_soon_threadsafe(future.set_result, s)))
+        s = await future
+        reply = SchedulerStats(
+            instance_id=self.instance_id,
+            running=s.num_running,
+            queued=s.num_queued,
+            free_pages=s.free_pages,
+            available_pages=s.available_pages,
+            total_pages=s.total_pages,
+            cached_prefix_pages=s.cached_prefix_pages,
+            active_rids=sorted(self._streams),
+            draining=self._draining,
+        )
+        await msg.respond(reply.to_bytes())
+
+    # -- outputs -> deltas ------------------------------------------------------------------------
+    def _on_outputs(self, outputs: list[RequestOutput], parents: dict[str, str | None]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.rid)
+            if stream is None:
+                continue  # aborted or abandoned here: its final engine output has nowhere to go
+            stream.add(out, parents.get(out.rid))
+            if out.rid not in self._pumps:
+                self._pumps[out.rid] = self._loop.create_task(self._pump(stream))
+
+    async def _pump(self, stream: RequestStream) -> None:
+        """Delivers the stream's deltas one at a time until it has nothing more to send right now."""
+        try:
+            while (delta := stream.next_delta(self.instance_id)) is not None:
+                if not await self._deliver(delta, stream.deadline, stream.traceparent):
+                    await self._abandon(
+                        stream.rid,
+                        ServiceUnavailableError("no detokenizer acknowledged the request's output; retry"),
+                    )
+                    return
+            if stream.done:
+                self._streams.pop(stream.rid, None)
+                self._remember(stream)
+        finally:
+            self._pumps.pop(stream.rid, None)
+
+    async def _deliver(self, delta: TokenDelta, deadline: float, trace: str | None) -> bool:
+        """Sends one delta until a detokenizer acks it; False after `delivery_give_up_s` of failures."""
+        data = delta.to_bytes()
+        hdrs = headers(delta.rid, deadline, trace)
+        give_up = time.monotonic() + self.delivery_give_up_s
+        backoff = 0.05
+        while not self.nc.is_closed:
+            try:
+                with self.telemetry.metrics.nats.request("detok"):
+                    msg = await self.nc.request(DETOK, data, timeout=self.detok_timeout_s, headers=hdrs)
+                reply = decode(msg.data, Ack, ErrorReply)
+                if isinstance(reply, ErrorReply):
+                    log.error("detokenizer refused delta %d of %s: %s", delta.seq, delta.rid, reply.message)
+                return isinstance(reply, Ack)
+            except (TimeoutError, nats.errors.Error, ProtocolError) as e:
+                if time.monotonic() > give_up:
+                    log.error("delta %d of %s undeliverable: %s", delta.seq, delta.rid, type(e).__name__)
+                    return False
+                if not isinstance(e, nats.errors.TimeoutError):
+                    await asyncio.sleep(backoff)  # no detokenizer or no connection yet: back off
+                    backoff = min(1.0, backoff * 2)
+        return False
+
+    async def _abandon(self, rid: str, err: KubesglError) -> None:
+        """Ends a request here: frees it in the engine and tells its gateway why, directly."""
+        stream = self._streams.pop(rid, None)
+        if stream is None:
+            return
+        self._engine.submit(AbortRequest(rid))
+        self._remember(stream)
+        delta: TextDelta = stream.abandon(self.instance_id, err)
+        try:
+            await self.nc.publish(gateway_subject(stream.gateway_id), delta.to_bytes(), headers=headers(rid))
+        except nats.errors.Error as e:
+            log.warning("could not tell gateway %s that %s failed: %s", stream.gateway_id, rid, e)
+
+    def _remember(self, stream: RequestStream) -> None:
+        self._recent[stream.rid] = stream.prompt_tokens
+        while len(self._recent) > _RECENT_RIDS:
+            self._recent.popitem(last=False)
+
+    # -- heartbeats, deadlines, engine state ------------------------------------------------------
+    def _on_loaded(self, info: ModelInfo) -> None:
+        self._info = info
+        self._loaded.set()
+        log.info(
+            "model %s loaded: context %d, %d pages of %d tokens",
+            self.model,
+            info.context_len,
+            info.num_pages,
+            info.page_size,
+        )
+
+    def _on_engine_failed(self, error: BaseException) -> None:
+        log.error(
+            "engine failed (%s: %s); failing in-flight requests and exiting", type(error).__name__, error
+        )
+        self.exit_code = 1
+        for rid in list(self._streams):
+            self._tasks.spawn(self._abandon(rid, KubesglError(f"the scheduler's engine failed: {error}")))
+        self._stop.set()
+
+    async def _heartbeats(self) -> None:
+        await self._loaded.wait()
+        while True:
+            await self._publish_heartbeat()
+            self._expire_deadlines()
+            await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+
+    async def _publish_heartbeat(self) -> None:
+        info, stats = self._info, self._engine.stats
+        assert info is not None and stats is not None
+        self.telemetry.on_step(stats)
+        hb = Heartbeat(
+            instance_id=self.instance_id,
+            model=self.model,
+            context_len=info.context_len,
+            page_size=info.page_size,
+            num_pages=info.num_pages,
+            running=stats.num_running,
+            queued=stats.num_queued,
+            free_pages=stats.free_pages,
+            available_pages=stats.available_pages,
+            max_running_requests=self.max_running_requests,
+            draining=self._draining,
+            ts=time.time(),
+        )
+        try:
+            await self.nc.publish(HEARTBEAT, hb.to_bytes())
+            self._heartbeat_sent = True
+        except nats.errors.Error as e:
+            log.warning("heartbeat not sent: %s", e)
+
+    def _expire_deadlines(self) -> None:
+        now = time.time()
+        for rid, stream in list(self._streams.items()):
+            if now > stream.deadline + _DEADLINE_GRACE_S and rid not in self._admissions:
+                self._tasks.spawn(self._abandon(rid, DeadlineExceededError("the request's deadline passed")))

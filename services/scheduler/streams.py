@@ -1,0 +1,100 @@
+"""Per-request output bookkeeping on the scheduler: what the engine produced, what went out, the next delta.
+
+Each TokenDelta carries the tokens since the last delta behind up to DETOK_CONTEXT_TOKENS already-sent ones
+(kubesgl.text.incremental.delta_window), so any detokenizer replica can decode it. Tokens that arrive while
+a delta is in flight are batched into the next one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kubesgl.engine.types import RequestOutput
+from kubesgl.errors import KubesglError
+from kubesgl.protocol import TextDelta, TokenDelta, error_dict, wire_logprob
+from kubesgl.text.incremental import delta_window
+
+
+@dataclass
+class RequestStream:
+    rid: str
+    gateway_id: str
+    deadline: float
+    prompt_tokens: int
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    wants_logprobs: bool = False
+    cached_tokens: int = 0
+    finished: bool = False
+    finish_reason: str | None = None
+    error: dict[str, Any] | None = None
+    traceparent: str | None = None
+    sent: int = 0  # output tokens already put into a delta
+    seq: int = 0  # seq of the next delta
+    final_sent: bool = False
+    abandoned: bool = False  # aborted, failed or timed out: nothing more goes to the gateway
+
+    @property
+    def done(self) -> bool:
+        return self.final_sent or self.abandoned
+
+    def add(self, out: RequestOutput, traceparent: str | None) -> None:
+        self.output_ids += out.new_token_ids
+        if self.wants_logprobs and out.logprobs:
+            self.logprobs += [wire_logprob(lp) for lp in out.logprobs]
+        self.cached_tokens = out.cached_tokens
+        self.traceparent = traceparent or self.traceparent
+        if out.finished:
+            self.finished, self.finish_reason = True, out.finish_reason
+            if out.error:
+                self.error = {
+                    "status": 500,
+                    "type": "internal_error",
+                    "code": None,
+                    "param": None,
+                    "message": out.error,
+                }
+
+    def next_delta(self, instance_id: str) -> TokenDelta | None:
+        """The next delta to send, or None when everything produced so far went out."""
+        if self.abandoned or self.final_sent:
+            return None
+        if self.sent == len(self.output_ids) and not self.finished:
+            return None
+        tokens, new_from = delta_window(self.output_ids, self.sent)
+        delta = TokenDelta(
+            rid=self.rid,
+            gateway_id=self.gateway_id,
+            instance_id=instance_id,
+            seq=self.seq,
+            tokens=tokens,
+            new_from=new_from,
+            finished=self.finished,
+            finish_reason=self.finish_reason,
+            prompt_tokens=self.prompt_tokens,
+            cached_tokens=self.cached_tokens,
+            completion_tokens=len(self.output_ids),
+            logprobs=self.logprobs[self.sent :] if self.wants_logprobs else None,
+            error=self.error,
+        )
+        self.sent, self.seq, self.final_sent = len(self.output_ids), self.seq + 1, self.finished
+        return delta
+
+    def abandon(self, instance_id: str, err: KubesglError) -> TextDelta:
+        """Ends the stream here; the returned error delta goes straight to the gateway."""
+        self.abandoned = True
+        delta = TextDelta(
+            rid=self.rid,
+            instance_id=instance_id,
+            seq=self.seq,
+            text="",
+            finished=True,
+            finish_reason="abort",
+            prompt_tokens=self.prompt_tokens,
+            cached_tokens=self.cached_tokens,
+            completion_tokens=self.sent,
+            error=error_dict(err),
+        )
+        self.seq += 1
+        return delta

@@ -1,0 +1,1 @@
+"""Tokenizer service: chat template + tokenization + routing to a scheduler instance (NATS queue group)."""

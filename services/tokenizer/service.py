@@ -1,0 +1,190 @@
+"""The tokenizer replica: takes TokenizeRequests from the "tokenizer" queue group, tokenizes, routes to a live
+scheduler instance and relays that instance's admission reply (Admitted or ErrorReply) to the gateway.
+
+A replica holds no per-request state, so any replica may die: the gateway retries a tokenize that timed out
+with the same rid and schedulers treat a known rid as an idempotent admission.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import nats.errors
+from kubesgl.errors import (
+    DeadlineExceededError,
+    KubesglError,
+    ModelNotFoundError,
+    ServiceUnavailableError,
+)
+from kubesgl.lifecycle import TaskGroup
+from kubesgl.protocol import (
+    HEADER_RID,
+    HEARTBEAT,
+    TOKENIZE,
+    TOKENIZER_QUEUE,
+    Admitted,
+    ErrorReply,
+    GenerateRequest,
+    Heartbeat,
+    ProtocolError,
+    TokenizeRequest,
+    decode,
+    generate_subject,
+    headers,
+    sampling_from_dict,
+)
+from kubesgl.routing import Router, SchedulerRegistry
+from kubesgl.services.tokenizer.prompt import check_context, prompt_ids
+from kubesgl.telemetry.metrics import TokenizerMetrics
+from kubesgl.telemetry.tracing import (
+    ATTR_MODEL,
+    ATTR_RID,
+    SPAN_TOKENIZE,
+    Tracing,
+    traceparent,
+)
+from kubesgl.text.tokenizer import ModelTokenizer
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+log = logging.getLogger("kubesgl.tokenizer")
+
+
+class TokenizerService:
+    exit_code = 0
+
+    def __init__(
+        self,
+        nc: Client,
+        tokenizer: ModelTokenizer,
+        model: str,
+        router: Router,
+        registry: SchedulerRegistry,
+        metrics: TokenizerMetrics,
+        tracing: Tracing,
+        admit_timeout_s: float = 4.0,
+        attempt_timeout_s: float = 2.0,
+    ) -> None:
+        self.nc = nc
+        self.tokenizer = tokenizer
+        self.model = model
+        self.router = router
+        self.registry = registry
+        self.metrics = metrics
+        self.tracing = tracing
+        # The whole admission (all scheduler attempts) stays under the gateway's per-attempt timeout.
+        self.admit_timeout_s = admit_timeout_s
+        self.attempt_timeout_s = attempt_timeout_s
+        self._tasks = TaskGroup()
+        self._subs: list[Subscription] = []
+        self._started = time.monotonic()
+
+    async def start(self) -> None:
+        self._subs = [
+            await self.nc.subscribe(HEARTBEAT, cb=self._on_heartbeat),
+            await self.nc.subscribe(TOKENIZE, queue=TOKENIZER_QUEUE, cb=self._on_tokenize),
+        ]
+
+    def ready(self) -> bool:
+        # Ready once it can route (heard a scheduler), or after the heartbeat expiry window regardless, so a
+        # rollout of tokenizers never waits on schedulers.
+        warm = bool(self.registry.live()) or time.monotonic() - self._started > self.registry.expiry_s
+        return self.nc.is_connected and bool(self._subs) and warm
+
+    async def drain(self, timeout_s: float) -> None:
+        """Stops taking requests, finishes the ones in hand, then closes the connection."""
+        for sub in reversed(self._subs):
+            await sub.drain()
+        await self._tasks.wait(timeout_s)
+        await self.nc.drain()
+
+    async def _on_heartbeat(self, msg: Msg) -> None:
+        try:
+            self.registry.observe(Heartbeat.from_bytes(msg.data))
+        except ProtocolError as e:
+            log.warning("ignoring malformed heartbeat: %s", e)
+
+    async def _on_tokenize(self, msg: Msg) -> None:
+        self._tasks.spawn(self._handle(msg))
+
+    async def _handle(self, msg: Msg) -> None:
+        rid = (msg.headers or {}).get(HEADER_RID, "")
+        with self.metrics.requests.track() as status, self.tracing.span(SPAN_TOKENIZE, msg.headers) as span:
+            try:
+                req = TokenizeRequest.from_bytes(msg.data)
+                rid = req.rid
+                span.set_attributes({ATTR_RID: rid, ATTR_MODEL: req.model})
+                reply = await self._admit(req, traceparent(span))
+            except ProtocolError as e:
+                reply = ErrorReply(rid=rid, status=400, type="invalid_request_error", message=str(e))
+            except KubesglError as e:
+                reply = ErrorReply.from_error(rid, e)
+            status.status = 200 if isinstance(reply, Admitted) else reply.status
+            span.set_attribute("kubesgl.status", status.status)
+            if msg.reply:
+                await msg.respond(reply.to_bytes())
+
+    async def _admit(self, req: TokenizeRequest, trace: str | None) -> Admitted | ErrorReply:
+        if req.deadline <= time.time():
+            raise DeadlineExceededError("the request's deadline passed before it was tokenized")
+        if req.model != self.model:
+            raise ModelNotFoundError(f"The model `{req.model}` does not exist.", param="model")
+        params = sampling_from_dict(req.sampling)
+        start = time.perf_counter()
+        ids = await asyncio.to_thread(prompt_ids, req, self.tokenizer)
+        self.metrics.on_tokenized(time.perf_counter() - start, len(ids))
+        candidates = self.registry.candidates(self.model)
+        if not candidates:
+            raise ServiceUnavailableError(f"no scheduler is available for model `{self.model}`; retry later")
+        check_context(req, len(ids), params.max_tokens, min(c.heartbeat.context_len for c in candidates))
+        gen = GenerateRequest(
+            rid=req.rid,
+            gateway_id=req.gateway_id,
+            input_ids=ids,
+            sampling=req.sampling,
+            deadline=req.deadline,
+        )
+        return await self._forward(gen, trace)
+
+    async def _forward(self, gen: GenerateRequest, trace: str | None) -> Admitted | ErrorReply:
+        """Sends to the routed instance; a silent, gone or full instance makes it try the next one."""
+        end = min(gen.deadline, time.time() + self.admit_timeout_s)
+        tried: set[str] = set()
+        refusal: ErrorReply | None = None
+        while (left := end - time.time()) > 0:
+            candidates = [c for c in self.registry.candidates(self.model) if c.instance_id not in tried]
+            if not candidates:
+                break
+            instance = self.router.route(gen.input_ids, candidates)
+            tried.add(instance)
+            self.registry.note_routed(instance)
+            try:
+                with self.metrics.nats.request("generate"):
+                    msg = await self.nc.request(
+                        generate_subject(instance),
+                        gen.to_bytes(),
+                        timeout=min(self.attempt_timeout_s, left),
+                        headers=headers(gen.rid, gen.deadline, trace),
+                    )
+                reply = decode(msg.data, Admitted, ErrorReply)
+            except nats.errors.NoRespondersError:
+                log.warning("scheduler %s has no responder; dropping it until its next heartbeat", instance)
+                self.registry.forget(instance)
+                continue
+            except nats.errors.TimeoutError:
+                log.warning("scheduler %s did not answer admission of %s in time", instance, gen.rid)
+                continue
+            if isinstance(reply, ErrorReply) and reply.status == 503:
+                refusal = reply  # full or draining: another instance may have room
+                continue
+            return reply
+        if refusal is not None:
+            return refusal
+        if gen.deadline <= time.time():
+            raise DeadlineExceededError("the request's deadline passed while waiting for a scheduler")
+        raise ServiceUnavailableError(
+            f"no scheduler for model `{self.model}` admitted the request; retry later"
+        )
