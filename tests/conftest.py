@@ -6,6 +6,12 @@ import importlib.util
 import os
 
 import pytest
+import torch
+
+# Triton picks interpreter or compiler when a kernel is defined, so without CUDA the interpreter goes on
+# before any test imports kubesgl's Triton kernels: they then run on CPU tensors (tiny shapes only).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

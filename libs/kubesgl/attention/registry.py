@@ -1,18 +1,90 @@
-"""Attention backend selection by name (`--attn`): one name, a `prefill,decode` pair, or `auto`."""
+"""Builds the attention backend named by `--attn`: one name, `prefill,decode` for a hybrid, or `auto`."""
 
 from __future__ import annotations
 
-from typing import Any
+import importlib.util
 
 import torch
 
 from kubesgl.attention.base import AttentionBackend
+from kubesgl.attention.hybrid_backend import HybridAttention
+
+BACKEND_NAMES = ("torch", "triton", "flashinfer", "fa3")
 
 
-def create_backend(name: str, *, device: torch.device, **shape: Any) -> AttentionBackend:
-    """Builds the backend `name` for a runner; `shape` carries head counts, dtype and capacity limits."""
-    from kubesgl.attention.torch_backend import TorchAttention
+def resolve_auto(device: torch.device) -> str:
+    """flashinfer when installed on CUDA, else our Triton kernels on CUDA, else the torch reference."""
+    if device.type != "cuda":
+        return "torch"
+    return "flashinfer" if importlib.util.find_spec("flashinfer") is not None else "triton"
 
-    if name in ("auto", "torch"):
+
+def create_backend(
+    name: str,
+    *,
+    device: torch.device | str,
+    page_size: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    scale: float | None = None,
+) -> AttentionBackend:
+    """`scale` (default head_dim ** -0.5) must match the layers' softmax scale; FlashInfer plans with it.
+
+    Raises ValueError for an unknown name and BackendUnavailableError when the backend's package or
+    device is missing here.
+    """
+    device = torch.device(device)
+    spec = name.strip().lower()
+    if "," in spec:
+        parts = [p.strip() for p in spec.split(",")]
+        if len(parts) != 2 or "auto" in parts or not all(parts):
+            raise ValueError(
+                f"attention backend {name!r}: a hybrid is 'prefill,decode', e.g. 'flashinfer,triton'"
+            )
+        if parts[0] == parts[1]:
+            spec = parts[0]
+        else:
+            kw = dict(
+                device=device,
+                page_size=page_size,
+                num_q_heads=num_q_heads,
+                num_kv_heads=num_kv_heads,
+                head_dim=head_dim,
+                dtype=dtype,
+                scale=scale,
+            )
+            return HybridAttention(create_backend(parts[0], **kw), create_backend(parts[1], **kw))
+    if spec == "auto":
+        spec = resolve_auto(device)
+    if spec == "torch":
+        from kubesgl.attention.torch_backend import TorchAttention
+
         return TorchAttention()
-    raise ValueError(f"unknown or unavailable attention backend {name!r}")
+    if spec == "triton":
+        from kubesgl.attention.triton_backend import TritonAttention
+
+        return TritonAttention(
+            device=device, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim
+        )
+    if spec == "flashinfer":
+        from kubesgl.attention.flashinfer_backend import FlashInferAttention
+
+        return FlashInferAttention(
+            device=device,
+            num_q_heads=num_q_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            page_size=page_size,
+            dtype=dtype,
+            scale=scale,
+        )
+    if spec == "fa3":
+        from kubesgl.attention.fa3_backend import FA3Attention
+
+        return FA3Attention(device=device)
+    raise ValueError(
+        f"unknown attention backend {name!r}: choose one of {', '.join(BACKEND_NAMES)}, 'auto', "
+        "or 'prefill,decode' (e.g. 'flashinfer,triton')"
+    )

@@ -1,0 +1,220 @@
+"""The always-available GPU attention backend: our own Triton kernels over the paged KV cache.
+
+Decode runs split-KV (flash-decoding) with one program per (request, kv head, slice), so the few
+query heads sharing a kv head read each K/V byte once. The number of slices depends only on the batch
+size, which keeps a captured CUDA graph valid for any sequence lengths at that batch size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from kubesgl.attention.base import AttentionMetadata
+from kubesgl.attention.device_ints import exclusive_cumsum, to_device_int32
+from kubesgl.attention.errors import BackendUnavailableError
+
+if TYPE_CHECKING:
+    from kubesgl.kv.kv_cache import KVCache
+
+MAX_DECODE_SPLITS = 16
+
+
+@dataclass
+class _DecodePlan:
+    page_table: torch.Tensor
+    seq_lens: torch.Tensor
+    partial_out: torch.Tensor | None  # [B, q_heads, S, D] float32 when S > 1
+    partial_lse: torch.Tensor | None  # [B, q_heads, S] float32
+
+
+@dataclass
+class _ExtendPlan:
+    page_table: torch.Tensor
+    q_starts: torch.Tensor
+    prefix_lens: torch.Tensor
+    extend_lens: torch.Tensor
+    max_extend_len: int
+
+
+@dataclass
+class _GraphBuffers:
+    """Static inputs a captured decode graph reads; replay copies the real batch into them."""
+
+    page_table: torch.Tensor  # [max_bs, max_pages]
+    seq_lens: torch.Tensor  # [max_bs]
+    partial_out: torch.Tensor  # flat, sized for the largest batch's splits
+    partial_lse: torch.Tensor
+
+
+def decode_splits(batch_size: int, num_kv_heads: int, num_sms: int) -> int:
+    """Slices per request so that about two programs per multiprocessor are in flight."""
+    programs = batch_size * num_kv_heads
+    return max(1, min(MAX_DECODE_SPLITS, -(-2 * num_sms // programs)))
+
+
+def interpreter_active() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1 at kernel import)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from kubesgl.attention import triton_kernels
+
+    return isinstance(triton_kernels._decode_split_kernel, InterpretedFunction)
+
+
+class TritonAttention:
+    """Paged decode and extend-with-prefix attention in Triton; KV is stored with `KVCache.store`."""
+
+    name = "triton"
+    cuda_graph_capable = True
+
+    def __init__(
+        self,
+        *,
+        device: torch.device | str,
+        num_q_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        decode_block_n: int = 64,
+        decode_num_warps: int = 4,
+        decode_num_stages: int = 2,
+    ) -> None:
+        try:
+            from kubesgl.attention import triton_kernels
+        except ImportError as e:
+            raise BackendUnavailableError(f"attention backend 'triton' needs the triton package: {e}") from e
+        self.device = torch.device(device)
+        if self.device.type != "cuda" and not interpreter_active():
+            raise BackendUnavailableError(
+                "attention backend 'triton' needs a CUDA device (or TRITON_INTERPRET=1 to run on the CPU)"
+            )
+        if num_q_heads % num_kv_heads:
+            raise ValueError(f"num_q_heads {num_q_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+        self._kernels = triton_kernels
+        self.num_q_heads = num_q_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self._decode_cfg = {
+            "block_n": decode_block_n,
+            "num_warps": decode_num_warps,
+            "num_stages": decode_num_stages,
+        }
+        self._num_sms = (
+            torch.cuda.get_device_properties(self.device).multi_processor_count
+            if self.device.type == "cuda"
+            else 4
+        )
+        self._plan: _DecodePlan | _ExtendPlan | None = None
+        self._graph: _GraphBuffers | None = None
+
+    def plan(self, meta: AttentionMetadata) -> None:
+        if meta.mode == "decode":
+            partial_out, partial_lse = self._partials(meta.batch_size)
+            self._plan = _DecodePlan(meta.page_table, meta.seq_lens_dev, partial_out, partial_lse)
+            return
+        b = meta.batch_size
+        q_starts = exclusive_cumsum(meta.extend_lens)[:b]
+        ints = to_device_int32(q_starts + list(meta.prefix_lens) + list(meta.extend_lens), self.device).view(
+            3, b
+        )
+        self._plan = _ExtendPlan(meta.page_table, ints[0], ints[1], ints[2], max(meta.extend_lens))
+
+    def _partials(
+        self, batch_size: int, pool: _GraphBuffers | None = None
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        splits = decode_splits(batch_size, self.num_kv_heads, self._num_sms)
+        if splits == 1:
+            return None, None
+        out_shape = (batch_size, self.num_q_heads, splits, self.head_dim)
+        lse_shape = (batch_size, self.num_q_heads, splits)
+        if pool is None:
+            out = torch.empty(out_shape, dtype=torch.float32, device=self.device)
+            return out, torch.empty(lse_shape, dtype=torch.float32, device=self.device)
+        n_out, n_lse = (
+            out_shape[0] * out_shape[1] * splits * self.head_dim,
+            lse_shape[0] * lse_shape[1] * splits,
+        )
+        return pool.partial_out[:n_out].view(out_shape), pool.partial_lse[:n_lse].view(lse_shape)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: int,
+        kv: KVCache,
+        out_loc: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        plan = self._plan
+        assert plan is not None, "plan() must run before forward()"
+        kv.store(layer, out_loc, k, v)
+        out = torch.empty_like(q)
+        k_cache, v_cache = kv.k_pages(layer), kv.v_pages(layer)
+        if isinstance(plan, _DecodePlan):
+            return self._kernels.decode_attention(
+                q,
+                k_cache,
+                v_cache,
+                plan.page_table,
+                plan.seq_lens,
+                out,
+                scale,
+                plan.partial_out,
+                plan.partial_lse,
+                **self._decode_cfg,
+            )
+        return self._kernels.extend_attention(
+            q,
+            k_cache,
+            v_cache,
+            plan.page_table,
+            plan.q_starts,
+            plan.prefix_lens,
+            plan.extend_lens,
+            plan.max_extend_len,
+            out,
+            scale,
+        )
+
+    # CUDA-graph hooks (decode only): the runner calls init once, plan_capture before capturing batch
+    # size `bs`, and plan_replay before each replay at `bs` (the real batch padded up to it).
+
+    def init_cuda_graph(self, max_bs: int, max_pages: int) -> None:
+        most = max(bs * decode_splits(bs, self.num_kv_heads, self._num_sms) for bs in range(1, max_bs + 1))
+        self._graph = _GraphBuffers(
+            page_table=torch.zeros((max_bs, max_pages), dtype=torch.int32, device=self.device),
+            seq_lens=torch.ones(max_bs, dtype=torch.int32, device=self.device),
+            partial_out=torch.empty(
+                most * self.num_q_heads * self.head_dim, dtype=torch.float32, device=self.device
+            ),
+            partial_lse=torch.empty(most * self.num_q_heads, dtype=torch.float32, device=self.device),
+        )
+
+    def plan_capture(self, bs: int) -> None:
+        g = self._graph_buffers(bs)
+        partial_out, partial_lse = self._partials(bs, g)
+        self._plan = _DecodePlan(g.page_table[:bs], g.seq_lens[:bs], partial_out, partial_lse)
+
+    def plan_replay(self, meta: AttentionMetadata, bs: int) -> None:
+        g = self._graph_buffers(bs)
+        n, width = meta.batch_size, meta.page_table.shape[1]
+        if meta.mode != "decode" or n > bs or width > g.page_table.shape[1]:
+            raise ValueError(
+                f"cannot replay a {meta.mode} batch of {n} x {width} pages in a graph of {bs} x {g.page_table.shape[1]}"
+            )
+        g.page_table[:n, :width].copy_(meta.page_table, non_blocking=True)
+        g.seq_lens[:n].copy_(meta.seq_lens_dev, non_blocking=True)
+        # Padding rows attend one token in the scratch page 0, where padded tokens also write.
+        g.page_table[n:bs, 0].zero_()
+        g.seq_lens[n:bs].fill_(1)
+        self.plan_capture(bs)
+
+    def _graph_buffers(self, bs: int) -> _GraphBuffers:
+        if self._graph is None or bs > self._graph.seq_lens.shape[0]:
+            raise ValueError(
+                f"batch size {bs} is outside the CUDA-graph buffers (call init_cuda_graph first)"
+            )
+        return self._graph

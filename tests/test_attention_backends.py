@@ -1,0 +1,302 @@
+"""Every attention backend against the float32 torch reference on random paged KV.
+
+On a CUDA machine the backends run in bf16 at Qwen3 head size (`gpu` marker). Without CUDA, the Triton
+kernels run on CPU tensors in Triton's interpreter (tests/conftest.py turns it on), in float32 and at
+tiny sizes: Triton's interpreter multiplies bf16 tiles wrongly, so bf16 is only checked on the GPU.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import NamedTuple
+
+import pytest
+import torch
+from kubesgl.attention.base import AttentionMetadata
+from kubesgl.attention.errors import BackendUnavailableError
+from kubesgl.attention.graph_hooks import supports_cuda_graph
+from kubesgl.attention.hybrid_backend import HybridAttention
+from kubesgl.attention.registry import create_backend
+from kubesgl.attention.torch_backend import TorchAttention
+from kubesgl.kv.kv_cache import KVCache
+
+CUDA = torch.cuda.is_available()
+cpu_interpreter = pytest.mark.skipif(CUDA, reason="the GPU tests cover these kernels compiled")
+HAS_FLASHINFER = importlib.util.find_spec("flashinfer") is not None
+LAYER = 1
+
+
+class Shape(NamedTuple):
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: str
+    tol: float  # bound on ||out - ref|| / ||ref||
+
+
+CPU_SHAPES = [Shape(4, 2, 32, torch.float32, "cpu", 1e-5), Shape(8, 1, 16, torch.float32, "cpu", 1e-5)]
+GPU_SHAPES = [
+    Shape(16, 8, 128, torch.bfloat16, "cuda", 1e-2),
+    Shape(32, 4, 128, torch.bfloat16, "cuda", 1e-2),
+]
+
+
+class Lens(NamedTuple):
+    """Ragged lengths: prefixes not page-aligned, extends longer than one 64-row tile."""
+
+    mode: str
+    prefix_lens: list[int]
+    extend_lens: list[int]
+
+
+DECODE = Lens("decode", [0, 16, 39, 129], [1, 1, 1, 1])
+EXTEND = Lens("extend", [0, 3, 16, 50], [70, 1, 20, 9])
+GPU_DECODE = Lens("decode", [0, 15, 511, 1000, 77, 2047, 300, 8], [1] * 8)
+GPU_EXTEND = Lens("extend", [0, 100, 16, 700, 0], [300, 1, 129, 64, 5])
+
+
+class Batch(NamedTuple):
+    meta: AttentionMetadata
+    kv: KVCache
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    out_loc: torch.Tensor
+
+
+def new_cache(shape: Shape, page_size: int, num_pages: int, gen: torch.Generator) -> KVCache:
+    kv = KVCache(2, num_pages, page_size, shape.kv_heads, shape.head_dim, shape.dtype, shape.device)
+    for layer in range(2):
+        kv.k_pages(layer).copy_(torch.randn(kv.k_pages(layer).shape, generator=gen))
+        kv.v_pages(layer).copy_(torch.randn(kv.v_pages(layer).shape, generator=gen))
+    return kv
+
+
+def random_batch(shape: Shape, page_size: int, lens: Lens, seed: int, kv: KVCache | None = None) -> Batch:
+    """Random KV everywhere (in `kv` if given), pages in random order (page 0 stays scratch)."""
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [p + e for p, e in zip(lens.prefix_lens, lens.extend_lens, strict=True)]
+    pages = [-(-n // page_size) for n in seq_lens]
+    kv = kv or new_cache(shape, page_size, sum(pages) + 5, gen)
+    order = (torch.randperm(kv.num_pages - 1, generator=gen) + 1).tolist()
+    table = torch.full((len(seq_lens), max(pages) + 3), -1, dtype=torch.int32)  # -1 past a request's pages
+    slots = []
+    for i, n in enumerate(pages):
+        table[i, :n] = torch.tensor(order[sum(pages[:i]) : sum(pages[: i + 1])])
+        new_positions = range(lens.prefix_lens[i], seq_lens[i])
+        slots += [int(table[i, j // page_size]) * page_size + j % page_size for j in new_positions]
+
+    def rand(heads: int) -> torch.Tensor:
+        return (
+            torch.randn((len(slots), heads, shape.head_dim), generator=gen).to(shape.dtype).to(shape.device)
+        )
+
+    meta = AttentionMetadata(
+        mode=lens.mode,
+        page_size=page_size,
+        seq_lens=seq_lens,
+        extend_lens=lens.extend_lens,
+        prefix_lens=lens.prefix_lens,
+        page_table=table.to(shape.device),
+        seq_lens_dev=torch.tensor(seq_lens, dtype=torch.int32, device=shape.device),
+    )
+    out_loc = torch.tensor(slots, device=shape.device)
+    return Batch(meta, kv, rand(shape.q_heads), rand(shape.kv_heads), rand(shape.kv_heads), out_loc)
+
+
+def reference(batch: Batch, scale: float) -> torch.Tensor:
+    """The torch backend in float32 over a float32 copy of the cache."""
+    kv = batch.kv
+    kv32 = KVCache(2, kv.num_pages, kv.page_size, kv.num_kv_heads, kv.head_dim, torch.float32, kv.device)
+    for layer in range(2):
+        kv32.k_pages(layer).copy_(kv.k_pages(layer))
+        kv32.v_pages(layer).copy_(kv.v_pages(layer))
+    ref = TorchAttention()
+    ref.plan(batch.meta)
+    return ref.forward(batch.q.float(), batch.k.float(), batch.v.float(), LAYER, kv32, batch.out_loc, scale)
+
+
+def assert_close_to_reference(out: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
+    assert out.shape == ref.shape
+    assert torch.isfinite(out).all()
+    err = ((out.float() - ref).norm() / ref.norm()).item()
+    assert err < tol, f"relative error {err:.2e} >= {tol:.0e}"
+
+
+def make(name: str, shape: Shape, page_size: int) -> object:
+    return create_backend(
+        name,
+        device=shape.device,
+        page_size=page_size,
+        num_q_heads=shape.q_heads,
+        num_kv_heads=shape.kv_heads,
+        head_dim=shape.head_dim,
+        dtype=shape.dtype,
+    )
+
+
+def run_backend(backend: object, batch: Batch, scale: float) -> torch.Tensor:
+    backend.plan(batch.meta)
+    return backend.forward(batch.q, batch.k, batch.v, LAYER, batch.kv, batch.out_loc, scale)
+
+
+def check_backend(name: str, shape: Shape, page_size: int, lens: Lens, seed: int) -> None:
+    batch = random_batch(shape, page_size, lens, seed=seed)
+    scale = shape.head_dim**-0.5
+    out = run_backend(make(name, shape, page_size), batch, scale)
+    assert_close_to_reference(out, reference(batch, scale), shape.tol)
+
+
+# --- CPU: Triton kernels in the interpreter ---------------------------------------------------------
+
+
+@cpu_interpreter
+@pytest.mark.parametrize("shape", CPU_SHAPES, ids=["gqa2", "gqa8"])
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("lens", [DECODE, EXTEND], ids=["decode", "extend_with_prefix"])
+def test_triton_matches_torch_in_interpreter(shape: Shape, page_size: int, lens: Lens) -> None:
+    check_backend("triton", shape, page_size, lens, seed=page_size)
+
+
+@cpu_interpreter
+@pytest.mark.parametrize("splits", [2, 3, 16])
+def test_triton_split_kv_decode_merges_slices(splits: int) -> None:
+    """More slices than 64-token blocks leaves some slices empty; they must weigh nothing in the merge."""
+    from kubesgl.attention.triton_kernels import decode_attention
+
+    shape = CPU_SHAPES[0]
+    batch = random_batch(shape, 16, DECODE, seed=splits)
+    batch.kv.store(LAYER, batch.out_loc, batch.k, batch.v)
+    b, h, d = batch.q.shape
+    out = torch.full_like(batch.q, float("nan"))
+    partial_out = torch.empty((b, h, splits, d))
+    partial_lse = torch.empty((b, h, splits))
+    decode_attention(
+        batch.q,
+        batch.kv.k_pages(LAYER),
+        batch.kv.v_pages(LAYER),
+        batch.meta.page_table,
+        batch.meta.seq_lens_dev,
+        out,
+        d**-0.5,
+        partial_out,
+        partial_lse,
+    )
+    assert_close_to_reference(out, reference(batch, d**-0.5), shape.tol)
+
+
+@cpu_interpreter
+def test_triton_graph_replay_pads_batch_into_scratch_page() -> None:
+    """plan_replay copies a 3-request batch into graph buffers of 5; padded rows read the scratch page."""
+    shape, page_size = CPU_SHAPES[0], 16
+    backend = make("triton", shape, page_size)
+    assert supports_cuda_graph(backend)
+    backend.init_cuda_graph(max_bs=8, max_pages=32)
+    backend.plan_capture(5)
+    for seed in (1, 2):  # a second replay with other lengths must not see the first one's table
+        batch = random_batch(
+            shape, page_size, Lens("decode", [7 * seed, 40 + seed, 100 - seed], [1] * 3), seed
+        )
+        backend.plan_replay(batch.meta, 5)
+        pad = torch.zeros((2, *batch.q.shape[1:]))
+        q, k, v = (torch.cat([x, pad[:, : x.shape[1]]]) for x in (batch.q, batch.k, batch.v))
+        out_loc = torch.cat([batch.out_loc, torch.zeros(2, dtype=batch.out_loc.dtype)])
+        out = backend.forward(q, k, v, LAYER, batch.kv, out_loc, shape.head_dim**-0.5)
+        assert torch.isfinite(out).all()
+        assert_close_to_reference(out[:3], reference(batch, shape.head_dim**-0.5), shape.tol)
+
+
+@cpu_interpreter
+def test_hybrid_routes_extend_and_decode_to_their_backends() -> None:
+    shape = CPU_SHAPES[0]
+    backend = make("torch,triton", shape, 16)
+    assert isinstance(backend, HybridAttention) and backend.name == "torch,triton"
+    assert supports_cuda_graph(backend)
+    for lens in (EXTEND, DECODE):
+        batch = random_batch(shape, 16, lens, seed=3)
+        out = run_backend(backend, batch, shape.head_dim**-0.5)
+        assert backend._active is (backend.decode_backend if lens is DECODE else backend.extend_backend)
+        assert_close_to_reference(out, reference(batch, shape.head_dim**-0.5), shape.tol)
+
+
+# --- registry ---------------------------------------------------------------------------------------
+
+
+def test_unknown_backend_name_is_a_clear_error() -> None:
+    with pytest.raises(
+        ValueError, match="unknown attention backend 'flashattn'.*torch, triton, flashinfer, fa3"
+    ):
+        make("flashattn", CPU_SHAPES[0], 1)
+    with pytest.raises(ValueError, match="prefill,decode"):
+        make("triton,torch,torch", CPU_SHAPES[0], 1)
+
+
+def test_auto_is_torch_on_cpu() -> None:
+    assert isinstance(make("auto", CPU_SHAPES[0], 1), TorchAttention)
+    assert not supports_cuda_graph(make("auto", CPU_SHAPES[0], 1))
+
+
+@pytest.mark.parametrize("name", ["flashinfer", "fa3"])
+def test_gpu_only_backend_on_cpu_says_what_is_missing(name: str) -> None:
+    with pytest.raises(BackendUnavailableError, match=f"attention backend '{name}' needs"):
+        make(name, CPU_SHAPES[0], 1)
+
+
+# --- GPU: compiled kernels and FlashInfer in bf16 ---------------------------------------------------
+
+GPU_BACKENDS = [
+    "triton",
+    pytest.param("flashinfer", marks=pytest.mark.skipif(not HAS_FLASHINFER, reason="no flashinfer")),
+]
+
+
+@pytest.mark.parametrize("name", GPU_BACKENDS)
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=["qwen3_0.6b", "gqa8"])
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("lens", [GPU_DECODE, GPU_EXTEND], ids=["decode", "extend_with_prefix"])
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_backend_matches_torch_on_gpu(name: str, shape: Shape, page_size: int, lens: Lens) -> None:
+    check_backend(name, shape, page_size, lens, seed=page_size)
+
+
+@pytest.mark.parametrize("name", GPU_BACKENDS)
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_decode_graph_replays_new_batches(name: str) -> None:
+    """Capture decode at batch size 6 once, then replay it for two batches of 4 with other lengths."""
+    shape, page_size, bs = GPU_SHAPES[0], 16, 6
+    scale = shape.head_dim**-0.5
+    backend = make(name, shape, page_size)
+    backend.init_cuda_graph(max_bs=8, max_pages=256)
+    kv = new_cache(shape, page_size, 1024, torch.Generator().manual_seed(0))
+    static = {
+        "q": torch.zeros((bs, shape.q_heads, shape.head_dim), dtype=shape.dtype, device="cuda"),
+        "k": torch.zeros((bs, shape.kv_heads, shape.head_dim), dtype=shape.dtype, device="cuda"),
+        "v": torch.zeros((bs, shape.kv_heads, shape.head_dim), dtype=shape.dtype, device="cuda"),
+        "out_loc": torch.zeros(bs, dtype=torch.int64, device="cuda"),
+    }
+
+    def run() -> torch.Tensor:
+        return backend.forward(static["q"], static["k"], static["v"], LAYER, kv, static["out_loc"], scale)
+
+    backend.plan_capture(bs)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # a warm-up outside the graph compiles the kernels
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_out = run()
+
+    for seed, prefix in ((11, [5, 900, 33, 2000]), (12, [1500, 2, 64, 700])):
+        batch = random_batch(shape, page_size, Lens("decode", prefix, [1] * 4), seed, kv=kv)
+        backend.plan_replay(batch.meta, bs)
+        for key in static:
+            static[key].zero_()  # padded rows: zero inputs, writing the scratch slot 0
+            static[key][:4].copy_(getattr(batch, key))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close_to_reference(graph_out[:4].clone(), reference(batch, scale), shape.tol)
