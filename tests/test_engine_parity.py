@@ -24,7 +24,7 @@ def _prompts(n: int, seed: int, vocab: int = 500) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("models")
-    return {a: str(build_random_model(a, root / a)) for a in ARCHS}
+    return {a: str(build_random_model(a, root / a, init_std=0.5)) for a in ARCHS}
 
 
 @pytest.fixture(scope="module")

@@ -190,6 +190,7 @@ class Engine:
             prompt_tokens_total=s.prompt_tokens_total,
             cached_tokens_total=s.cached_tokens_total,
             generation_tokens_total=s.generation_tokens_total,
+            extra={"num_preemptions": float(s.num_preemptions)},
         )
 
     def shutdown(self) -> None:

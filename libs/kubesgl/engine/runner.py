@@ -109,9 +109,6 @@ class ModelRunner:
             num_kv_heads=m.num_kv_heads,
             head_dim=m.head_dim,
             dtype=m.dtype,
-            max_batch=slots,
-            max_pages_per_req=max_pages,
-            num_pages=self.num_pages,
         )
 
     # -- sizing --------------------------------------------------------------------------------------

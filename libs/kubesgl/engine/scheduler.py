@@ -50,6 +50,7 @@ class Scheduler:
         self.prompt_tokens_total = 0
         self.cached_tokens_total = 0
         self.generation_tokens_total = 0
+        self.num_preemptions = 0
 
     # -- requests in and out -----------------------------------------------------------------------
     def add_request(self, rid: str, input_ids: list[int], params: SamplingParams) -> None:
@@ -237,6 +238,7 @@ class Scheduler:
         req.slot, req.pages, req.tree_pages, req.cache_handle, req.kv_len = -1, [], 0, None, 0
 
     def _preempt(self, req: Req) -> None:
+        self.num_preemptions += 1
         self._release(req)
         req.state = ReqState.WAITING
         # Back to the queue in arrival order; it is re-prefilled (mostly from cache) when memory allows.
