@@ -90,10 +90,11 @@ demo
 {{- end -}}
 {{- end -}}
 
-{{/* The --model argument: a directory under the model mount, or "demo". */}}
+{{/* The --model argument: the model directory under the model mount. */}}
 {{- define "kubesgl.modelPath" -}}
 {{- if eq .Values.model.source "demo" -}}
-demo
+{{- /* kubesgl.models.random_init.DEMO_NAME */ -}}
+{{- printf "%s/kubesgl-demo-qwen3-v1" .Values.model.mountPath -}}
 {{- else if eq .Values.model.source "pvc" -}}
 {{- if .Values.model.pvc.subPath -}}
 {{- printf "%s/%s" .Values.model.mountPath .Values.model.pvc.subPath -}}
@@ -213,14 +214,14 @@ demo
 {{- end }}
 {{- end -}}
 
-{{/* Model files for tokenizer/detokenizer: the shared PVC read-only, or the tokenizer files downloaded once. */}}
+{{/* Model files for tokenizer/detokenizer: the shared PVC read-only, or a pod-local directory an init container fills. */}}
 {{- define "kubesgl.tokenizerModelVolumes" -}}
 {{- if eq .Values.model.source "pvc" }}
 - name: model
   persistentVolumeClaim:
     claimName: {{ .Values.model.pvc.claimName }}
     readOnly: true
-{{- else if eq .Values.model.source "huggingface" }}
+{{- else }}
 - name: model
   emptyDir:
     sizeLimit: 1Gi
@@ -228,11 +229,50 @@ demo
 {{- end -}}
 
 {{- define "kubesgl.modelVolumeMount" -}}
-{{- if ne .Values.model.source "demo" }}
 - name: model
   mountPath: {{ .Values.model.mountPath }}
-  readOnly: {{ ne .Values.model.source "huggingface" }}
+  readOnly: {{ eq .Values.model.source "pvc" }}
+{{- end -}}
+
+{{/* Init container that fills the model directory: an HF download (patterns limit it to tokenizer files), or
+the demo model built with torch (so it runs in the CPU-scheduler image). (dict "root" $ "patterns" list-or-nil). */}}
+{{- define "kubesgl.modelInitContainers" -}}
+{{- if eq .root.Values.model.source "huggingface" }}
+{{- include "kubesgl.modelDownloadInitContainer" . }}
+{{- else if eq .root.Values.model.source "demo" }}
+{{- include "kubesgl.demoModelInitContainer" .root }}
 {{- end }}
+{{- end -}}
+
+{{- define "kubesgl.demoModelInitContainer" -}}
+- name: demo-model
+  image: {{ include "kubesgl.image" (dict "image" .Values.image.cpuScheduler "root" .) }}
+  imagePullPolicy: {{ .Values.image.cpuScheduler.pullPolicy }}
+  command:
+    - python
+    - -c
+    - |
+      import os
+      from kubesgl.models.random_init import build_demo_model
+      print(build_demo_model(os.environ["DEMO_MODEL_PARENT"]))
+  env:
+    - name: DEMO_MODEL_PARENT
+      value: {{ .Values.model.mountPath | quote }}
+  securityContext:
+    {{- toYaml .Values.containerSecurityContext | nindent 4 }}
+  resources:
+    requests:
+      cpu: 500m
+      memory: 1Gi
+    limits:
+      memory: 2Gi
+  volumeMounts:
+    - name: model
+      mountPath: {{ .Values.model.mountPath }}
+    - name: tmp
+      mountPath: /tmp
+    - name: cache
+      mountPath: /cache
 {{- end -}}
 
 {{/* Init container downloading a Hugging Face snapshot: (dict "root" $ "patterns" list-or-nil). */}}

@@ -42,9 +42,9 @@ spec:
       securityContext:
         {{- toYaml $root.Values.podSecurityContext | nindent 8 }}
       terminationGracePeriodSeconds: {{ $s.terminationGracePeriodSeconds }}
-      {{- if eq $root.Values.model.source "huggingface" }}
+      {{- with include "kubesgl.modelInitContainers" (dict "root" $root "patterns" (list "*.json" "*.jinja" "*.model" "*.tiktoken" "*.txt")) | trim }}
       initContainers:
-        {{- include "kubesgl.modelDownloadInitContainer" (dict "root" $root "patterns" (list "*.json" "*.jinja" "*.model" "*.tiktoken" "*.txt")) | nindent 8 }}
+        {{- . | nindent 8 }}
       {{- end }}
       containers:
         - name: {{ .component }}
@@ -82,10 +82,10 @@ spec:
             {{- toYaml $s.resources | nindent 12 }}
           volumeMounts:
             {{- include "kubesgl.scratchVolumeMounts" $root | nindent 12 }}
-            {{- with include "kubesgl.modelVolumeMount" $root | trim }}{{ . | nindent 12 }}{{ end }}
+            {{- include "kubesgl.modelVolumeMount" $root | nindent 12 }}
       volumes:
         {{- include "kubesgl.scratchVolumes" $root | nindent 8 }}
-        {{- with include "kubesgl.tokenizerModelVolumes" $root | trim }}{{ . | nindent 8 }}{{ end }}
+        {{- include "kubesgl.tokenizerModelVolumes" $root | trim | nindent 8 }}
       {{- with $s.nodeSelector }}
       nodeSelector:
         {{- toYaml . | nindent 8 }}
