@@ -25,15 +25,11 @@ from kubesgl.kv.kv_cache import KVCache
 Q_HEADS, KV_HEADS, HEAD_DIM, PAGE = 16, 8, 128, 16  # Qwen3-0.6B
 DTYPE = torch.bfloat16
 CALLS_PER_GRAPH = 10
+# (block_n, num_warps, num_stages, splits): tile length x warps x pipelining depth x split-KV slices.
 TRITON_SWEEP = [
-    (32, 4, 2),
-    (64, 4, 2),
-    (64, 4, 3),
-    (64, 8, 3),
-    (128, 4, 2),
-    (128, 8, 2),
-    (128, 8, 3),
-    (128, 8, 4),
+    (*cfg, splits)
+    for cfg in [(32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 8, 3), (128, 8, 2), (128, 8, 3)]
+    for splits in (1, 2, 4)
 ]
 
 
@@ -86,14 +82,18 @@ def decode_batch(seq_lens: list[int], kv: KVCache) -> tuple[AttentionMetadata, t
     return meta, torch.tensor(out_loc, device="cuda")
 
 
+def decode_inputs(bs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    q = torch.randn((bs, Q_HEADS, HEAD_DIM), dtype=DTYPE, device="cuda")
+    k = torch.randn((bs, KV_HEADS, HEAD_DIM), dtype=DTYPE, device="cuda")
+    return q, k, torch.randn_like(k)
+
+
 def time_decode(
-    backend: Any, meta: AttentionMetadata, out_loc: torch.Tensor, kv: KVCache
+    backend: Any, meta: AttentionMetadata, out_loc: torch.Tensor, kv: KVCache, qkv: tuple[torch.Tensor, ...]
 ) -> tuple[float, torch.Tensor]:
     """Seconds per layer call of the captured decode, and the output (for cross-checking backends)."""
     bs = meta.batch_size
-    q = torch.randn((bs, Q_HEADS, HEAD_DIM), dtype=DTYPE, device="cuda")
-    k = torch.randn((bs, KV_HEADS, HEAD_DIM), dtype=DTYPE, device="cuda")
-    v = torch.randn_like(k)
+    q, k, v = qkv
     backend.init_cuda_graph(bs, meta.page_table.shape[1])
     backend.plan_capture(bs)
     stream = torch.cuda.Stream()
@@ -110,7 +110,7 @@ def time_decode(
     return seconds, out.clone()
 
 
-def make(name: str, **kw: Any) -> Any:
+def make(name: str) -> Any:
     return create_backend(
         name,
         device="cuda",
@@ -119,7 +119,6 @@ def make(name: str, **kw: Any) -> Any:
         num_kv_heads=KV_HEADS,
         head_dim=HEAD_DIM,
         dtype=DTYPE,
-        **kw,
     )
 
 
@@ -136,6 +135,7 @@ def bench_decode(backends: list[str], rows: list[dict[str, Any]], ceiling: float
     kv.v_pages(0).normal_()
     for case, seq_lens in cases.items():
         meta, out_loc = decode_batch(seq_lens, kv)
+        qkv = decode_inputs(len(seq_lens))
         kv_bytes = sum(seq_lens) * KV_HEADS * HEAD_DIM * 2 * DTYPE.itemsize
         outputs: dict[str, torch.Tensor] = {}
         variants: list[tuple[str, dict[str, Any]]] = []
@@ -151,7 +151,7 @@ def bench_decode(backends: list[str], rows: list[dict[str, Any]], ceiling: float
             label = name + ("+tc" if kw.get("use_tensor_cores") else "")
             try:
                 backend = make(name) if not kw else _flashinfer(**kw)
-                seconds, out = time_decode(backend, meta, out_loc, kv)
+                seconds, out = time_decode(backend, meta, out_loc, kv, qkv)
             except Exception as e:  # report and go on: one backend failing must not hide the others
                 print(f"decode {case} {label}: FAILED {type(e).__name__}: {e}", flush=True)
                 continue
@@ -163,8 +163,8 @@ def bench_decode(backends: list[str], rows: list[dict[str, Any]], ceiling: float
                  "of_copy_bw": tbs / ceiling, "max_diff_vs_first": diff},
                 rows,
             )  # fmt: skip
-        if "triton" in backends and case in ("256x850", "256xragged"):
-            sweep_triton(case, meta, out_loc, kv, kv_bytes, rows)
+        if "triton" in outputs and case in ("256x850", "256xragged"):
+            sweep_triton(case, meta, out_loc, kv, qkv, kv_bytes, outputs["triton"], rows)
 
 
 def _flashinfer(use_tensor_cores: bool) -> Any:
@@ -177,22 +177,30 @@ def _flashinfer(use_tensor_cores: bool) -> Any:
 
 
 def sweep_triton(
-    case: str, meta: AttentionMetadata, out_loc: torch.Tensor, kv: KVCache, kv_bytes: int, rows: list
+    case: str,
+    meta: AttentionMetadata,
+    out_loc: torch.Tensor,
+    kv: KVCache,
+    qkv: tuple[torch.Tensor, ...],
+    kv_bytes: int,
+    ref: torch.Tensor,
+    rows: list,
 ) -> None:
     from kubesgl.attention.triton_backend import TritonAttention
 
-    for block_n, warps, stages in TRITON_SWEEP:
+    for block_n, warps, stages, splits in TRITON_SWEEP:
         backend = TritonAttention(
             device="cuda", num_q_heads=Q_HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
-            decode_block_n=block_n, decode_num_warps=warps, decode_num_stages=stages,
+            decode_block_n=block_n, decode_num_warps=warps, decode_num_stages=stages, fixed_decode_splits=splits,
         )  # fmt: skip
         try:
-            seconds, _ = time_decode(backend, meta, out_loc, kv)
+            seconds, out = time_decode(backend, meta, out_loc, kv, qkv)
         except Exception as e:
-            print(f"sweep {block_n}/{warps}/{stages}: FAILED {type(e).__name__}: {e}", flush=True)
+            print(f"sweep {block_n}/{warps}/{stages}/{splits}: FAILED {type(e).__name__}: {e}", flush=True)
             continue
-        emit({"bench": "triton_sweep", "case": case, "block_n": block_n, "warps": warps, "stages": stages,
-              "us": seconds * 1e6, "TBps": kv_bytes / seconds / 1e12}, rows)  # fmt: skip
+        emit({"bench": "triton_sweep", "case": case, "block_n": block_n, "warps": warps, "stages": stages, "splits": splits,
+              "us": seconds * 1e6, "TBps": kv_bytes / seconds / 1e12,
+              "max_diff_vs_default": (out.float() - ref.float()).abs().max().item()}, rows)  # fmt: skip
 
 
 def time_extend(

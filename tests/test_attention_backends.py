@@ -300,3 +300,11 @@ def test_decode_graph_replays_new_batches(name: str) -> None:
         graph.replay()
         torch.cuda.synchronize()
         assert_close_to_reference(graph_out[:4].clone(), reference(batch, scale), shape.tol)
+
+
+def test_flatten_page_table_concatenates_each_requests_pages() -> None:
+    from kubesgl.attention.flashinfer_backend import flatten_page_table
+
+    table = torch.tensor([[5, 6, 7, -1], [9, -1, -1, -1], [1, 2, 3, 4]], dtype=torch.int32)
+    assert flatten_page_table(table, [2, 1, 4]).tolist() == [5, 6, 9, 1, 2, 3, 4]
+    assert flatten_page_table(table, [3, 0, 1]).tolist() == [5, 6, 7, 1]

@@ -80,7 +80,9 @@ class TritonAttention:
         decode_block_n: int = 64,
         decode_num_warps: int = 4,
         decode_num_stages: int = 2,
+        fixed_decode_splits: int | None = None,
     ) -> None:
+        """The decode_* knobs tune the split-KV kernel; fixed_decode_splits overrides `decode_splits`."""
         try:
             from kubesgl.attention import triton_kernels
         except ImportError as e:
@@ -106,6 +108,7 @@ class TritonAttention:
             if self.device.type == "cuda"
             else 4
         )
+        self._fixed_splits = fixed_decode_splits
         self._plan: _DecodePlan | _ExtendPlan | None = None
         self._graph: _GraphBuffers | None = None
 
@@ -121,10 +124,13 @@ class TritonAttention:
         )
         self._plan = _ExtendPlan(meta.page_table, ints[0], ints[1], ints[2], max(meta.extend_lens))
 
+    def _splits(self, batch_size: int) -> int:
+        return self._fixed_splits or decode_splits(batch_size, self.num_kv_heads, self._num_sms)
+
     def _partials(
         self, batch_size: int, pool: _GraphBuffers | None = None
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        splits = decode_splits(batch_size, self.num_kv_heads, self._num_sms)
+        splits = self._splits(batch_size)
         if splits == 1:
             return None, None
         out_shape = (batch_size, self.num_q_heads, splits, self.head_dim)
@@ -183,7 +189,7 @@ class TritonAttention:
     # size `bs`, and plan_replay before each replay at `bs` (the real batch padded up to it).
 
     def init_cuda_graph(self, max_bs: int, max_pages: int) -> None:
-        most = max(bs * decode_splits(bs, self.num_kv_heads, self._num_sms) for bs in range(1, max_bs + 1))
+        most = max(bs * self._splits(bs) for bs in range(1, max_bs + 1))
         self._graph = _GraphBuffers(
             page_table=torch.zeros((max_bs, max_pages), dtype=torch.int32, device=self.device),
             seq_lens=torch.ones(max_bs, dtype=torch.int32, device=self.device),
