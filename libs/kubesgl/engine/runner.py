@@ -7,6 +7,7 @@ sent between ranks.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 
@@ -19,6 +20,7 @@ from kubesgl.engine.forward import ForwardBatch
 from kubesgl.engine.plan import BatchPlan
 from kubesgl.engine.sampler import Sampler
 from kubesgl.engine.scheduler import StepTokens
+from kubesgl.engine.transfer import to_device
 from kubesgl.engine.types import TokenLogprob
 from kubesgl.kv.kv_cache import KVCache
 
@@ -110,6 +112,12 @@ class ModelRunner:
             head_dim=m.head_dim,
             dtype=m.dtype,
         )
+        self.graphs = None
+        if self.device.type == "cuda" and config.cuda_graph_max_bs != 0:
+            from kubesgl.engine.cuda_graph import DecodeGraphs, auto_max_bs
+
+            max_bs = config.cuda_graph_max_bs or auto_max_bs(self.device, slots)
+            self.graphs = DecodeGraphs(self, min(max_bs, slots))
 
     # -- sizing --------------------------------------------------------------------------------------
     def _size_kv_pool(self) -> int:
@@ -135,10 +143,11 @@ class ModelRunner:
     # -- one step ------------------------------------------------------------------------------------
     def execute(self, plan: BatchPlan) -> StepResult:
         dev = self.device
+        i64 = torch.int64
         self.sampler.init_slots(plan.slot_inits)
         self._write_page_table(plan.page_writes)
         ps = self.page_size
-        slots_t = torch.tensor(plan.slots, dtype=torch.int64, device=dev)
+        slots_t = to_device(plan.slots, i64, dev)
         seq_lens = plan.seq_lens
         if plan.mode == "extend":
             rows = [s for s, n in zip(plan.slots, plan.extend_lens, strict=True) for _ in range(n)]
@@ -147,13 +156,13 @@ class ModelRunner:
                 for pre, n in zip(plan.prefix_lens, plan.extend_lens, strict=True)
                 for p in range(pre, pre + n)
             ]
-            rows_t = torch.tensor(rows, dtype=torch.int64, device=dev)
-            positions = torch.tensor(pos, dtype=torch.int64, device=dev)
-            input_ids = torch.tensor(plan.tokens, dtype=torch.int64, device=dev)
+            rows_t = to_device(rows, i64, dev)
+            positions = to_device(pos, i64, dev)
+            input_ids = to_device(plan.tokens, i64, dev)
             self.token_pool[rows_t, positions] = input_ids
         else:
             rows_t = slots_t
-            positions = torch.tensor(plan.prefix_lens, dtype=torch.int64, device=dev)
+            positions = to_device(plan.prefix_lens, i64, dev)
             input_ids = self.token_pool[slots_t, positions]
         out_loc = self.page_table[rows_t, positions // ps].long() * ps + positions % ps
         meta = AttentionMetadata(
@@ -163,28 +172,28 @@ class ModelRunner:
             extend_lens=plan.extend_lens,
             prefix_lens=plan.prefix_lens,
             page_table=self.page_table[slots_t],
-            seq_lens_dev=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            seq_lens_dev=to_device(seq_lens, torch.int32, dev),
         )
-        self.attn.plan(meta)
-        fb = ForwardBatch(plan.mode, input_ids, positions, out_loc, self.attn, self.kv)
-        hidden = self.model.forward(fb)
-
-        ends, acc = [], 0
-        for n in plan.extend_lens:
-            acc += n
-            ends.append(acc - 1)
         pick = [i for i, s in enumerate(plan.sample) if s]
-        if not pick:
-            empty = torch.empty(0, dtype=torch.int64, device=dev)
-            return StepResult(plan, empty, None, None, None)
-        last = torch.tensor([ends[i] for i in pick], dtype=torch.int64, device=dev)
-        logits = self.model.compute_logits(hidden[last]).float()
+        graph_bs = self.graphs.padded_size(len(plan.slots)) if self.graphs and plan.mode == "decode" else None
+        if graph_bs is not None:
+            logits = self.graphs.run(input_ids, positions, out_loc, meta, graph_bs)
+        else:
+            self.attn.plan(meta)
+            hidden = self.model.forward(
+                ForwardBatch(plan.mode, input_ids, positions, out_loc, self.attn, self.kv)
+            )
+            if not pick:
+                return StepResult(plan, torch.empty(0, dtype=i64, device=dev), None, None, None)
+            ends = list(itertools.accumulate(plan.extend_lens))
+            last = to_device([ends[i] - 1 for i in pick], i64, dev)
+            logits = self.model.compute_logits(hidden[last]).float()
         s_slots = [plan.slots[i] for i in pick]
         s_lens = [seq_lens[i] for i in pick]
         toks, chosen, top_ids, top_lp = self.sampler.sample(
             logits, s_slots, s_lens, self.token_pool, [plan.top_logprobs[i] for i in pick]
         )
-        self.token_pool[torch.tensor(s_slots, device=dev), torch.tensor(s_lens, device=dev)] = toks
+        self.token_pool[to_device(s_slots, i64, dev), to_device(s_lens, i64, dev)] = toks
         event = None
         if dev.type == "cuda":
             toks = toks.to("cpu", non_blocking=True)
@@ -204,6 +213,7 @@ class ModelRunner:
         rows, cols = [r for r, _ in cells], [c for _, c in cells]
         vals = list(cells.values())
         dev = self.device
-        self.page_table[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = torch.tensor(
-            vals, dtype=torch.int32, device=dev
+        i64 = torch.int64
+        self.page_table[to_device(rows, i64, dev), to_device(cols, i64, dev)] = to_device(
+            vals, torch.int32, dev
         )

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from kubesgl.engine.plan import SlotInit
+from kubesgl.engine.transfer import to_device
 
 _M32 = 0xFFFFFFFF
 _HASH_MUL = 0x45D9F3B  # small enough that a 32-bit value times it stays inside int64
@@ -53,7 +54,7 @@ class Sampler:
     def init_slots(self, inits: list[SlotInit]) -> None:
         if not inits:
             return
-        idx = torch.tensor([s.slot for s in inits], device=self.device)
+        idx = to_device([s.slot for s in inits], torch.int64, self.device)
         for name, attr in (
             ("temperature", "temperature"),
             ("top_k", "top_k"),
@@ -66,7 +67,7 @@ class Sampler:
             ("prompt_len", "prompt_len"),
         ):
             t: torch.Tensor = getattr(self, name)
-            t[idx] = torch.tensor([getattr(s, attr) for s in inits], dtype=t.dtype, device=self.device)
+            t[idx] = to_device([getattr(s, attr) for s in inits], t.dtype, self.device)
         for s in inits:
             self._host[s.slot] = s
 
@@ -80,7 +81,7 @@ class Sampler:
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         """Returns (tokens [B], chosen logprob [B] | None, top ids [B, n] | None, top logprobs [B, n] | None)."""
         host = [self._host[s] for s in slots]
-        slot_t = torch.tensor(slots, device=logits.device)
+        slot_t = to_device(slots, torch.int64, logits.device)
         want_lp = max(top_logprobs) >= 0
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_lp else None
 
@@ -114,7 +115,7 @@ class Sampler:
         max_len = max(seq_lens)
         pos = torch.arange(max_len, device=logits.device)
         hist = token_pool[slot_t, :max_len].long()  # tokens before the one being sampled
-        seq = torch.tensor(seq_lens, device=logits.device)
+        seq = to_device(seq_lens, torch.int64, logits.device)
         valid = pos[None, :] < seq[:, None]
         is_out = valid & (pos[None, :] >= self.prompt_len[slot_t][:, None])
         out_counts = torch.zeros(B, V, device=logits.device)
@@ -149,11 +150,11 @@ class Sampler:
         if any(h.min_p > 0 for h in host):
             floor = self.min_p[slot_t][:, None] * probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < floor, 0.0)
-        positions = torch.tensor(seq_lens, device=logits.device, dtype=torch.int64)
+        positions = to_device(seq_lens, torch.int64, logits.device)
         u = seeded_uniform(self.seed[slot_t], positions, probs.shape[1])
         # Exponential race: argmax p / E with E ~ Exp(1) draws from p exactly (Gumbel-max in ratio form).
         sampled = (probs / -torch.log(u)).argmax(dim=-1)
         if any(greedy):
-            g = torch.tensor(greedy, device=logits.device)
+            g = to_device(greedy, torch.bool, logits.device)
             sampled = torch.where(g, logits.argmax(dim=-1), sampled)
         return sampled

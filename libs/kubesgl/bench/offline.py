@@ -1,0 +1,218 @@
+"""`kubesgl bench offline`: the seeds' offline throughput benchmark, with the device's memory-bound ceiling.
+
+Workload (Mini-SGLang's): python `random` seeded 0; first the prompts, each of randint(min_in, max_in) token ids
+drawn with randint(0, 10000), then each request's max_tokens randint(min_out, max_out); temperature 0.6; EOS
+ignored; one warm-up request. Throughput = output tokens / wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import tempfile
+import time
+from typing import Any
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model", default="Qwen3-0.6B", help="model dir, or a real config name run on random weights"
+    )
+    p.add_argument("--num-seqs", type=int, default=256)
+    p.add_argument("--min-input", type=int, default=100)
+    p.add_argument("--max-input", type=int, default=1024)
+    p.add_argument("--min-output", type=int, default=100)
+    p.add_argument("--max-output", type=int, default=1024)
+    p.add_argument("--temperature", type=float, default=0.6)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--attn", default="auto")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--cuda-graph-max-bs", type=int, default=None)
+    p.add_argument("--disable-overlap", action="store_true")
+    p.add_argument("--max-running-requests", type=int, default=256)
+    p.add_argument("--max-prefill-length", type=int, default=8192)
+    p.add_argument(
+        "--hf-baseline", type=int, default=0, help="also run HF transformers on this many requests"
+    )
+    p.add_argument("--json", default=None, help="append the figures as one JSON line to this file")
+
+
+def make_workload(args: argparse.Namespace) -> tuple[list[list[int]], list[int]]:
+    rng = random.Random(0)
+    prompts = [
+        [rng.randint(0, 10000) for _ in range(rng.randint(args.min_input, args.max_input))]
+        for _ in range(args.num_seqs)
+    ]
+    max_tokens = [rng.randint(args.min_output, args.max_output) for _ in range(args.num_seqs)]
+    return prompts, max_tokens
+
+
+def copy_bandwidth(device: str) -> float:
+    """Device-to-device copy bandwidth in bytes/s (read + write), measured now."""
+    import torch
+
+    if device != "cuda":
+        return float("nan")
+    n = 1 << 30
+    src = torch.empty(n, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    reps = 20
+    t = time.perf_counter()
+    for _ in range(reps):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    return 2 * n * reps / (time.perf_counter() - t)
+
+
+def memory_bound_seconds(
+    prompts: list[list[int]],
+    max_tokens: list[int],
+    weight_bytes: int,
+    kv_bytes_per_token: int,
+    bw: float,
+    max_bs: int,
+) -> float:
+    """Time if every decode step only read the weights once and each live sequence's KV once, at `bw`."""
+    total, live = 0.0, []
+    queue = [(len(p), n) for p, n in zip(prompts, max_tokens, strict=True)]
+    while queue or live:
+        while queue and len(live) < max_bs:
+            n_in, n_out = queue.pop(0)
+            live.append([n_in, n_out])
+        kv = sum(s[0] for s in live)
+        total += (weight_bytes + kv * kv_bytes_per_token) / bw
+        for s in live:
+            s[0] += 1
+            s[1] -= 1
+        live = [s for s in live if s[1] > 0]
+    return total
+
+
+def _resolve_model(name: str) -> tuple[str, bool]:
+    if os.path.isdir(name):
+        return name, False
+    from kubesgl.models.random_init import write_config_only
+
+    out = os.path.join(tempfile.gettempdir(), "kubesgl-bench", name)
+    return str(write_config_only(name, out)), True
+
+
+def run_hf_baseline(
+    model_dir: str, prompts: list[list[int]], max_tokens: list[int], device: str
+) -> dict[str, Any]:
+    """HF transformers generate() on the same weights config (random), padded batch, EOS ignored."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(model_dir)
+    model = (
+        AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa")
+        .to(device)
+        .eval()
+    )
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):  # left padding
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    with torch.no_grad():
+        model.generate(
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
+            max_new_tokens=max(max_tokens),
+            min_new_tokens=max(max_tokens),
+            do_sample=True,
+            temperature=0.6,
+            top_k=0,
+            pad_token_id=0,
+        )
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t
+    useful = sum(max_tokens)
+    return {"hf_requests": len(prompts), "hf_seconds": dt, "hf_output_tok_s": useful / dt}
+
+
+def main(args: argparse.Namespace) -> int:
+    import torch
+
+    from kubesgl import LLM, SamplingParams
+    from kubesgl.kv.kv_cache import KVCache
+
+    model_dir, dummy = _resolve_model(args.model)
+    prompts, max_tokens = make_workload(args)
+    bw = copy_bandwidth(args.device)
+    t0 = time.perf_counter()
+    llm = LLM(
+        model_dir,
+        device=args.device,
+        dtype=args.dtype,
+        attn=args.attn,
+        page_size=args.page_size,
+        cuda_graph_max_bs=args.cuda_graph_max_bs,
+        disable_overlap=args.disable_overlap,
+        dummy_weight=dummy,
+        max_running_requests=args.max_running_requests,
+        max_prefill_tokens=args.max_prefill_length,
+    )
+    startup = time.perf_counter() - t0
+    m = llm.engine.runner.model
+    weight_bytes = sum(p.numel() * p.element_size() for p in m.parameters())
+    kv_tok = KVCache.bytes_per_token(m.num_layers, m.num_kv_heads, m.head_dim, m.dtype)
+    llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=8))  # warm-up
+    params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n) for n in max_tokens]
+    if args.device == "cuda":
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    if args.device == "cuda":
+        torch.cuda.synchronize()
+    dt = time.perf_counter() - t
+    out_tokens = sum(len(o["token_ids"]) for o in outs)
+    assert out_tokens == sum(max_tokens), "EOS is ignored: every request must produce max_tokens"
+    ideal = (
+        memory_bound_seconds(prompts, max_tokens, weight_bytes, kv_tok, bw, args.max_running_requests)
+        if bw == bw
+        else float("nan")
+    )
+    graphs = llm.engine.runner.graphs
+    res: dict[str, Any] = {
+        "model": args.model,
+        "attn": type(llm.engine.runner.attn).__name__,
+        "overlap": llm.engine.overlap,
+        "cuda_graph_max_bs": graphs.max_bs if graphs else 0,
+        "graph_capture_s": round(graphs.capture_seconds, 2) if graphs else 0.0,
+        "requests": len(prompts),
+        "prompt_tokens": sum(map(len, prompts)),
+        "output_tokens": out_tokens,
+        "seconds": round(dt, 3),
+        "output_tok_s": round(out_tokens / dt, 1),
+        "startup_s": round(startup, 1),
+        "copy_bw_TBps": round(bw / 1e12, 3),
+        "ceiling_seconds": round(ideal, 3),
+        "ceiling_tok_s": round(out_tokens / ideal, 1) if ideal == ideal else None,
+        "ratio_to_ceiling": round(ideal / dt, 3) if ideal == ideal else None,
+        "preemptions": llm.engine.stats().extra.get("num_preemptions"),
+    }
+    llm.shutdown()
+    if args.hf_baseline:
+        del llm
+        torch.cuda.empty_cache()
+        hf = run_hf_baseline(
+            model_dir, prompts[: args.hf_baseline], max_tokens[: args.hf_baseline], args.device
+        )
+        hf["hf_ratio"] = round(res["output_tok_s"] / hf["hf_output_tok_s"], 1)
+        res.update(hf)
+    print(json.dumps(res), flush=True)
+    if args.json:
+        with open(args.json, "a") as f:
+            f.write(json.dumps(res) + "\n")
+    return 0
