@@ -79,10 +79,11 @@ class TritonAttention:
         head_dim: int,
         decode_block_n: int = 64,
         decode_num_warps: int = 4,
-        decode_num_stages: int = 2,
+        decode_num_stages: int = 3,
         fixed_decode_splits: int | None = None,
     ) -> None:
-        """The decode_* knobs tune the split-KV kernel; fixed_decode_splits overrides `decode_splits`."""
+        """The decode_* knobs tune the split-KV kernel (defaults: best of benchmark/attention_bw.py's sweep on an
+        H200); fixed_decode_splits overrides `decode_splits`."""
         try:
             from kubesgl.attention import triton_kernels
         except ImportError as e:

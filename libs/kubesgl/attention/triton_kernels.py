@@ -255,7 +255,7 @@ def decode_attention(
     *,
     block_n: int = 64,
     num_warps: int = 4,
-    num_stages: int = 2,
+    num_stages: int = 3,
 ) -> torch.Tensor:
     """One query token per request: q/out [B, q_heads, D]; caches [num_pages, page_size, kv_heads, D].
 
