@@ -1,4 +1,4 @@
-"""The Triton fast paths (RMSNorm, rotary, SiLU-and-mul, fused MoE) against the layers' torch code.
+"""The Triton fast paths (RMSNorm, rotary, SiLU-and-mul, fused MoE) against torch and HF references.
 
 Without CUDA the Triton kernels run in Triton's interpreter on float32 CPU tensors (tests/conftest.py
 turns it on); on a CUDA machine the `gpu` tests run them compiled in bf16.
@@ -12,11 +12,10 @@ from kubesgl.kernels import activation_triton, fused_moe_triton, norm_triton, ro
 from kubesgl.kernels.activation import silu_and_mul, silu_and_mul_torch
 from kubesgl.kernels.fused_moe import fused_moe
 from kubesgl.kernels.norm import fused_add_rms_norm, rms_norm, rms_norm_torch
-from kubesgl.kernels.rotary import apply_rotary_neox
-from kubesgl.layers.activation import SiluAndMul
+from kubesgl.kernels.rotary import apply_rotary_neox, apply_rotary_neox_torch
 from kubesgl.layers.moe import experts_forward, route_topk
-from kubesgl.layers.norm import RMSNorm
 from kubesgl.layers.rotary import RotaryEmbedding
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
 
 CUDA = torch.cuda.is_available()
 cpu_interpreter = pytest.mark.skipif(CUDA, reason="the GPU tests cover these kernels compiled")
@@ -32,35 +31,43 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
-# --- torch paths agree with the layers (every machine) ----------------------------------------------
+# --- the public functions on CPU (torch paths) agree with HF transformers' own code -------------------
 
 
-def test_rms_norm_matches_layer() -> None:
-    layer = RMSNorm(48, eps=1e-6)
-    layer.weight.data.copy_(randn(48, seed=0))
-    x, res = randn(5, 48, seed=1), randn(5, 48, seed=2)
-    torch.testing.assert_close(rms_norm(x, layer.weight, 1e-6), layer(x))
-    out, summed = fused_add_rms_norm(x, res, layer.weight, 1e-6)
-    ref_out, ref_summed = layer(x, res)
-    torch.testing.assert_close(out, ref_out)
-    torch.testing.assert_close(summed, ref_summed)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_matches_hf_qwen3(dtype: torch.dtype) -> None:
+    hf = Qwen3RMSNorm(48, eps=1e-6).to(dtype)
+    hf.weight.data.copy_(randn(48, seed=0))
+    x, res = randn(5, 48, seed=1, dtype=dtype), randn(5, 48, seed=2, dtype=dtype)
+    torch.testing.assert_close(rms_norm(x, hf.weight, 1e-6), hf(x), rtol=0, atol=0)
+    out, summed = fused_add_rms_norm(x, res, hf.weight, 1e-6)
+    torch.testing.assert_close(summed, x + res, rtol=0, atol=0)
+    torch.testing.assert_close(out, hf(x + res), rtol=0, atol=0)
 
 
-def test_rotary_matches_layer_in_place_on_strided_views() -> None:
+def hf_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, rope: RotaryEmbedding) -> tuple:
+    """HF's apply_rotary_pos_emb on [1, heads, T, D] views, with full-width cos/sin as HF builds them."""
+    d = rope.head_dim
+    cos = torch.cat([rope.cos[positions]] * 2, dim=-1)[None]
+    sin = torch.cat([rope.sin[positions]] * 2, dim=-1)[None]
+
+    def heads(x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(x.shape[0], -1, d).transpose(0, 1)[None]
+
+    q_out, k_out = apply_rotary_pos_emb(heads(q), heads(k), cos, sin)
+    return q_out[0].transpose(0, 1).reshape(q.shape), k_out[0].transpose(0, 1).reshape(k.shape)
+
+
+def test_rotary_matches_hf_in_place_on_strided_views() -> None:
     rope = RotaryEmbedding(head_dim=16, max_position=64, base=10000.0)
     qkv = randn(6, (4 + 2 + 2) * 16, seed=3)
     q, k, _ = qkv.split([64, 32, 32], dim=-1)  # row-strided views, as the attention layer gets them
     positions = torch.tensor([0, 3, 5, 63, 2, 7])
-    ref_q, ref_k = rope(positions, q.clone(), k.clone())
+    ref_q, ref_k = hf_rotary(positions, q, k, rope)
     out_q, out_k = apply_rotary_neox(positions, q, k, rope.cos, rope.sin)
-    assert out_q.data_ptr() == q.data_ptr()
-    torch.testing.assert_close(out_q, ref_q)
-    torch.testing.assert_close(out_k, ref_k)
-
-
-def test_silu_and_mul_matches_layer() -> None:
-    x = randn(7, 2 * 24, seed=4)
-    torch.testing.assert_close(silu_and_mul(x), SiluAndMul()(x))
+    assert out_q.data_ptr() == q.data_ptr() and out_k.data_ptr() == k.data_ptr()
+    torch.testing.assert_close(q, ref_q)
+    torch.testing.assert_close(k, ref_k)
 
 
 # --- CPU: the Triton kernels in the interpreter ------------------------------------------------------
@@ -82,7 +89,7 @@ def test_triton_rotary_matches_layer() -> None:
     qkv = randn(9, (8 + 2 + 2) * 32, seed=8)
     q, k, _ = qkv.split([256, 64, 64], dim=-1)
     positions = torch.randint(0, 128, (9,), generator=torch.Generator().manual_seed(9))
-    ref_q, ref_k = rope(positions, q.clone(), k.clone())
+    ref_q, ref_k = hf_rotary(positions, q, k, rope)
     rotary_triton.apply_rotary_neox(positions, q, k, rope.cos, rope.sin)
     assert rel_err(q, ref_q) < 1e-6 and rel_err(k, ref_k) < 1e-6
 
@@ -146,7 +153,7 @@ def test_gpu_norm_rotary_activation_match_torch() -> None:
     qkv = randn(300, (16 + 8 + 8) * 128, seed=16, dtype=bf16, device="cuda")
     q, k, _ = qkv.split([2048, 1024, 1024], dim=-1)
     positions = torch.randint(0, 4096, (300,), device="cuda")
-    ref_q, ref_k = rope(positions, q.clone(), k.clone())
+    ref_q, ref_k = apply_rotary_neox_torch(positions, q.float(), k.float(), rope.cos, rope.sin)
     apply_rotary_neox(positions, q, k, rope.cos, rope.sin)
     assert rel_err(q, ref_q) < 1e-2 and rel_err(k, ref_k) < 1e-2
 
