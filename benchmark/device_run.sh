@@ -14,11 +14,13 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv | tee "$OUT/
 B="python3 -m kubesgl.cli bench offline --json $OUT/bench.jsonl"
 case "${1:-full}" in
   quick) $B --model Qwen3-0.6B --num-seqs 32 ;;
-  full)
+  a)
     $B --model Qwen3-0.6B --hf-baseline 32
     $B --model Qwen3-0.6B --disable-overlap
-    $B --model Qwen3-0.6B --cuda-graph-max-bs 0
-    $B --model Qwen3-0.6B --attn triton
+    ;;
+  b)
     $B --model Qwen3-14B
+    $B --model Qwen3-0.6B --attn triton
+    $B --model Qwen3-0.6B --cuda-graph-max-bs 0
     ;;
 esac

@@ -30,9 +30,11 @@ def capture_sizes(max_bs: int) -> list[int]:
 
 
 def auto_max_bs(device: torch.device, max_running: int) -> int:
-    """Mini-SGLang's default: 256 with more than 80 GiB free, else 160; never above max_running_requests."""
-    free, _ = torch.cuda.mem_get_info(device)
-    return min(256 if free > 80 * 2**30 else 160, max_running)
+    """Mini-SGLang's default: 256 on a card of more than 80 GiB, else 160; never above max_running_requests.
+
+    Judged on the card's size: by capture time the KV pool has already taken the free memory."""
+    _, total = torch.cuda.mem_get_info(device)
+    return min(256 if total > 80 * 2**30 else 160, max_running)
 
 
 class DecodeGraphs:
