@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
+from types import FrameType
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -17,6 +18,7 @@ from kubesgl import __version__
 from kubesgl.errors import InvalidRequestError, KubesglError
 from kubesgl.nats_conn import NatsSettings, connect
 from kubesgl.openai_api.http_errors import error_body, error_from_validation
+from kubesgl.routing import SchedulerRegistry
 from kubesgl.services.gateway import native_routes, openai_routes, ops_routes
 from kubesgl.services.gateway.api_keys import ApiKeys
 from kubesgl.services.gateway.bus import GatewayBus
@@ -24,7 +26,6 @@ from kubesgl.services.gateway.config import GatewayConfig, config_from_args
 from kubesgl.services.gateway.config import add_arguments as add_config_arguments
 from kubesgl.services.gateway.gateway import Gateway
 from kubesgl.services.gateway.guards import ApiKeyCheck, BodySizeLimit
-from kubesgl.services.gateway.scheduler_registry import SchedulerRegistry
 from kubesgl.telemetry.metrics import GatewayMetrics, new_registry
 from kubesgl.telemetry.tracing import Tracing
 from starlette.exceptions import HTTPException
@@ -44,16 +45,26 @@ def main(args: argparse.Namespace) -> int:
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     app = build_app(config)
-    uvicorn.run(
-        app,
-        host=config.host,
-        port=config.port,
-        log_level=config.log_level,
-        access_log=False,  # paths only, but per-request lines drown the service's own logs under load
-        timeout_graceful_shutdown=int(config.drain_timeout_s),
-        timeout_keep_alive=30,
+    server = _Server(
+        uvicorn.Config(
+            app,
+            host=config.host,
+            port=config.port,
+            log_level=config.log_level,
+            access_log=False,  # paths only, but per-request lines drown the service's own logs under load
+            timeout_graceful_shutdown=int(config.drain_timeout_s),
+            timeout_keep_alive=30,
+        )
     )
+    server.run()
     return 0
+
+
+class _Server(uvicorn.Server):
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        super().handle_exit(sig, frame)
+        # uvicorn re-raises the signal after draining; drained is a clean exit (0), as for the other services.
+        self._captured_signals.clear()
 
 
 def build_app(config: GatewayConfig) -> FastAPI:

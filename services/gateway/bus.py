@@ -25,8 +25,8 @@ from kubesgl.protocol import (
     gateway_subject,
     headers,
 )
+from kubesgl.routing import SchedulerRegistry
 from kubesgl.services.gateway.request_stream import RequestStream
-from kubesgl.services.gateway.scheduler_registry import SchedulerRegistry
 from kubesgl.telemetry.metrics import NatsMetrics
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -78,7 +78,9 @@ class GatewayBus:
 
     def scheduler_gone(self, instance_id: str) -> bool:
         """The instance stopped heartbeating while this gateway could hear it (a NATS outage is not its death)."""
-        return self.connected and self.registry.is_gone(instance_id, self._connected_since)
+        if not self.connected or time.monotonic() - self._connected_since <= self.registry.expiry_s:
+            return False
+        return all(hb.instance_id != instance_id for hb in self.registry.live())
 
     def open(self, rid: str) -> RequestStream:
         """Registers the inbox before admission: the first delta can beat the Admitted reply."""

@@ -7,10 +7,10 @@ import time
 
 from fastapi import Request
 from kubesgl.errors import InvalidRequestError, ModelNotFoundError, ServiceUnavailableError
+from kubesgl.routing import SchedulerRegistry
 from kubesgl.services.gateway.bus import GatewayBus
 from kubesgl.services.gateway.concurrency_limit import ConcurrencyLimit
 from kubesgl.services.gateway.config import GatewayConfig
-from kubesgl.services.gateway.scheduler_registry import SchedulerRegistry
 from kubesgl.telemetry.metrics import GatewayMetrics
 from kubesgl.telemetry.tracing import Tracing
 
@@ -35,20 +35,27 @@ class Gateway:
     def registry(self) -> SchedulerRegistry:
         return self.bus.registry
 
+    def models(self) -> dict[str, int]:
+        """Models live schedulers serve, with their context length (the smallest, should instances differ)."""
+        out: dict[str, int] = {}
+        for hb in self.registry.live():
+            out[hb.model] = min(out.get(hb.model, hb.context_len), hb.context_len)
+        return out
+
     def context_len(self, model: str) -> int:
         """The model's context length; 404 if no live scheduler serves it, 503 if none serves anything."""
-        models = self.registry.models()
+        models = self.models()
         if model not in models:
             if not models:
                 raise ServiceUnavailableError("no scheduler is available; retry shortly")
             raise ModelNotFoundError(f"The model '{model}' does not exist", param="model")
-        if not self.registry.accepting(model):
+        if not self.registry.candidates(model):
             raise ServiceUnavailableError(f"every scheduler for '{model}' is draining; retry shortly")
         return models[model]
 
     def metrics_model(self, model: str | None) -> str:
         """A bounded label value: a served model id, else "unknown"."""
-        return model if model and model in self.registry.models() else "unknown"
+        return model if model and model in self.models() else "unknown"
 
     def deadline(self, request: Request) -> float:
         """Absolute unix deadline: --request-timeout, lowered (never raised) by the X-Request-Timeout header."""

@@ -46,7 +46,7 @@ async def generate(body: NativeGenerateRequest, request: Request) -> Response:
 
 def _only_model(gw: Gateway) -> str:
     # SGLang's /generate names no model; that is unambiguous only while one model is served.
-    models = sorted(gw.registry.models())
+    models = sorted(gw.models())
     if not models:
         raise ServiceUnavailableError("no scheduler is available; retry shortly")
     if len(models) > 1:

@@ -38,14 +38,14 @@ async def metrics(request: Request) -> Response:
 @router.get("/v1/models")
 async def list_models(request: Request) -> JSONResponse:
     gw: Gateway = request.app.state.gateway
-    models = gw.registry.models()
+    models = gw.models()
     return JSONResponse({"object": "list", "data": [_card(m, ctx) for m, ctx in sorted(models.items())]})
 
 
 @router.get("/v1/models/{model:path}")
 async def get_model(model: str, request: Request) -> JSONResponse:
     gw: Gateway = request.app.state.gateway
-    models = gw.registry.models()
+    models = gw.models()
     if model not in models:
         raise ModelNotFoundError(f"The model '{model}' does not exist", param="model")
     return JSONResponse(_card(model, models[model]))
