@@ -20,6 +20,7 @@ class SlotInit:
     frequency_penalty: float
     repetition_penalty: float
     seed: int
+    seed_given: bool = False  # the client asked for this seed: sample reproducibly from it
 
 
 @dataclass

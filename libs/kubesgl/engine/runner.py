@@ -118,6 +118,8 @@ class ModelRunner:
 
             max_bs = config.cuda_graph_max_bs or auto_max_bs(self.device, slots)
             self.graphs = DecodeGraphs(self, min(max_bs, slots))
+        # Unseeded sampling draws from this generator: every TP rank must draw the same numbers.
+        torch.manual_seed(config.seed)
 
     # -- sizing --------------------------------------------------------------------------------------
     def _size_kv_pool(self) -> int:

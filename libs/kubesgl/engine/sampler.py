@@ -1,8 +1,9 @@
 """Batched sampling on the device: penalties, temperature, top-k, top-p, min-p, seeded noise, logprobs.
 
 Per-request parameters live in per-slot device tensors written once at admission, so a step moves no
-parameters host-to-device. Randomness is a counter-based hash of (seed, position, token id): the same
-request with the same seed samples the same tokens whatever else shares its batch, on any device.
+parameters host-to-device. A request that names a seed draws its noise from a counter-based hash of (seed,
+position, token id): it samples the same tokens whatever else shares its batch, on any device. The others
+draw from the device generator (one fast kernel), seeded alike on every TP rank so all ranks agree.
 """
 
 from __future__ import annotations
@@ -150,10 +151,14 @@ class Sampler:
         if any(h.min_p > 0 for h in host):
             floor = self.min_p[slot_t][:, None] * probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < floor, 0.0)
-        positions = to_device(seq_lens, torch.int64, logits.device)
-        u = seeded_uniform(self.seed[slot_t], positions, probs.shape[1])
         # Exponential race: argmax p / E with E ~ Exp(1) draws from p exactly (Gumbel-max in ratio form).
-        sampled = (probs / -torch.log(u)).argmax(dim=-1)
+        noise = torch.empty_like(probs).exponential_()
+        seeded = [i for i, h in enumerate(host) if h.seed_given]
+        if seeded:  # reproducible rows: noise from (seed, position, token id) alone, whatever the batch
+            rows = to_device(seeded, torch.int64, logits.device)
+            positions = to_device([seq_lens[i] for i in seeded], torch.int64, logits.device)
+            noise[rows] = -torch.log(seeded_uniform(self.seed[slot_t[rows]], positions, probs.shape[1]))
+        sampled = (probs / noise).argmax(dim=-1)
         if any(greedy):
             g = to_device(greedy, torch.bool, logits.device)
             sampled = torch.where(g, logits.argmax(dim=-1), sampled)

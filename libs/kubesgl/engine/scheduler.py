@@ -196,6 +196,7 @@ class Scheduler:
                 p.frequency_penalty,
                 p.repetition_penalty,
                 req.seed,
+                p.seed is not None,
             )
         )
         self.running.append(req)
