@@ -162,7 +162,11 @@ export default function (data) {
     'no error event': () => s !== null && s.error === null,
   });
   streamErrors.add(!ok);
-  if (!ok) return;
+  if (!ok) {
+    const why = s === null ? `HTTP ${res.status} ${res.error || ''}` : s.error || 'stream cut before [DONE]';
+    console.warn(`request failed: ${why}: ${String(res.body || '').slice(0, 300)}`);
+    return;
+  }
   ttft.add(res.timings.waiting);
   if (s.chunks > 1) itl.add(res.timings.receiving / (s.chunks - 1));
   if (s.tokens !== null) completionTokens.add(s.tokens);
