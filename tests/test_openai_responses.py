@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from kubesgl.errors import ContextLengthError
-from kubesgl.openai_api.http_errors import error_body, error_from_wire
+from kubesgl.openai_api.http_errors import error_body
 from kubesgl.openai_api.responses import (
     ChoiceResult,
     chat_chunk,
@@ -15,6 +15,7 @@ from kubesgl.openai_api.responses import (
     sse,
     usage_of,
 )
+from kubesgl.protocol import error_from_dict
 
 LP = [
     {
@@ -73,7 +74,7 @@ def test_chunks_and_sse_framing() -> None:
 
 
 def test_wire_errors_keep_their_status_and_code() -> None:
-    err = error_from_wire(
+    err = error_from_dict(
         {"status": 400, "type": "invalid_request_error", "code": "context_length_exceeded", "message": "long"}
     )
     assert isinstance(err, ContextLengthError) and err.status == 400
@@ -85,4 +86,4 @@ def test_wire_errors_keep_their_status_and_code() -> None:
             "code": "context_length_exceeded",
         }
     }
-    assert error_from_wire({"status": 503, "message": "gone"}).type == "service_unavailable"
+    assert error_from_dict({"status": 503, "message": "gone"}).type == "service_unavailable"

@@ -16,11 +16,11 @@ MSG = [{"role": "user", "content": "hi"}]
 
 
 def _chat(**fields: Any):
-    return chat_spec(ChatCompletionRequest.model_validate({"model": "m", "messages": MSG, **fields}), 100)
+    return chat_spec(ChatCompletionRequest.model_validate({"model": "m", "messages": MSG, **fields}))
 
 
 def _completion(**fields: Any):
-    return completion_spec(CompletionRequest.model_validate({"model": "m", "prompt": "p", **fields}), 100)
+    return completion_spec(CompletionRequest.model_validate({"model": "m", "prompt": "p", **fields}))
 
 
 def _param_of_400(fn, **fields: Any) -> str | None:
@@ -63,8 +63,12 @@ def test_chat_fields_become_sampling_params() -> None:
 
 
 def test_defaults_follow_openai() -> None:
-    p = _chat().params
-    assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.logprobs) == (100, 1.0, 1.0, -1, False)
+    spec = _chat()
+    p = spec.params
+    assert (p.temperature, p.top_p, p.top_k, p.logprobs) == (1.0, 1.0, -1, False)
+    # No max_tokens: the rest of the context, which the tokenizer fills in once it knows the prompt's length.
+    assert spec.open_ended and spec.wire_sampling(0)["max_tokens"] is None
+    assert _chat(max_tokens=5).wire_sampling(0)["max_tokens"] == 5
 
 
 def test_completion_logprobs_int_means_top_n() -> None:

@@ -42,8 +42,8 @@ class Gateway:
             out[hb.model] = min(out.get(hb.model, hb.context_len), hb.context_len)
         return out
 
-    def context_len(self, model: str) -> int:
-        """The model's context length; 404 if no live scheduler serves it, 503 if none serves anything."""
+    def check_model(self, model: str) -> None:
+        """404 if no live scheduler serves `model`, 503 if none serves anything or all of its are draining."""
         models = self.models()
         if model not in models:
             if not models:
@@ -51,7 +51,6 @@ class Gateway:
             raise ModelNotFoundError(f"The model '{model}' does not exist", param="model")
         if not self.registry.candidates(model):
             raise ServiceUnavailableError(f"every scheduler for '{model}' is draining; retry shortly")
-        return models[model]
 
     def metrics_model(self, model: str | None) -> str:
         """A bounded label value: a served model id, else "unknown"."""

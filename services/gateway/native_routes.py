@@ -26,7 +26,7 @@ async def generate(body: NativeGenerateRequest, request: Request) -> Response:
     scope = RequestScope(gw, request, "/generate", body.model)
     try:
         model = body.model or _only_model(gw)
-        gw.context_len(model)
+        gw.check_model(model)
         spec = native_spec(body)
         rid = f"gen-{uuid.uuid4().hex}"
         base = TokenizeRequest(

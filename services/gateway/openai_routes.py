@@ -12,7 +12,7 @@ from fastapi.responses import Response
 from kubesgl.openai_api.generation_spec import GenerationSpec, chat_spec, completion_spec
 from kubesgl.openai_api.prompt_inputs import PromptInput, chat_messages, completion_prompts
 from kubesgl.openai_api.request_models import ChatCompletionRequest, CompletionRequest
-from kubesgl.protocol import TokenizeRequest, sampling_to_dict
+from kubesgl.protocol import TokenizeRequest
 from kubesgl.services.gateway.choice_group import ChoiceGroup
 from kubesgl.services.gateway.encoders import ChatEncoder, CompletionEncoder
 from kubesgl.services.gateway.gateway import Gateway
@@ -28,7 +28,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     gw: Gateway = request.app.state.gateway
     scope = RequestScope(gw, request, "/v1/chat/completions", body.model)
     try:
-        spec = chat_spec(body, gw.context_len(body.model))
+        gw.check_model(body.model)
+        spec = chat_spec(body)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         messages = chat_messages(body.messages)
         base = TokenizeRequest(
@@ -55,7 +56,8 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
     scope = RequestScope(gw, request, "/v1/completions", body.model)
     try:
-        spec = completion_spec(body, gw.context_len(body.model))
+        gw.check_model(body.model)
+        spec = completion_spec(body)
         prompts = completion_prompts(body.prompt)
         rid = f"cmpl-{uuid.uuid4().hex}"
         base = TokenizeRequest(
@@ -91,7 +93,7 @@ def fan_out(
             req = replace(
                 base,
                 rid=base.rid if total == 1 else f"{base.rid}-{index}",
-                sampling=sampling_to_dict(spec.params_for_choice(i)),
+                sampling=spec.wire_sampling(i),
                 **_prompt_fields(prompt),
             )
             choices.append(ChoiceGeneration(gw.bus, index, req, spec.stop, limits, scope.traceparent))

@@ -4,6 +4,7 @@ fan-out `n`, and streaming options. Every accepted field is honoured here or rej
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 from kubesgl.engine.sampling import SamplingParams
 from kubesgl.errors import InvalidRequestError
@@ -13,6 +14,7 @@ from kubesgl.openai_api.request_models import (
     NativeGenerateRequest,
     SamplingFields,
 )
+from kubesgl.protocol import sampling_to_dict
 
 MAX_N = 128
 MAX_STOP_STRINGS = 16
@@ -21,13 +23,18 @@ MAX_TOP_LOGPROBS = 20
 
 @dataclass(frozen=True)
 class GenerationSpec:
-    """One validated request: `params` for choice 0; `params_for_choice(i)` for the fan-out children."""
+    """One validated request: `params` for choice 0; `params_for_choice(i)` for the fan-out children.
+
+    `open_ended`: the client set no max_tokens, so it is the rest of the context, which only the tokenizer
+    (knowing the prompt's length) can fill in; on the wire it is sent as max_tokens None.
+    """
 
     params: SamplingParams
     stop: tuple[str, ...] = ()
     n: int = 1
     stream: bool = False
     include_usage: bool = False
+    open_ended: bool = False
 
     def params_for_choice(self, index: int) -> SamplingParams:
         # Distinct seeds keep n seeded samples different yet reproducible; choice 0 keeps the request's seed.
@@ -35,8 +42,15 @@ class GenerationSpec:
             return self.params
         return replace(self.params, seed=(self.params.seed + index) % 2**63)
 
+    def wire_sampling(self, index: int) -> dict[str, Any]:
+        """The TokenizeRequest `sampling` dict of choice `index`."""
+        out = sampling_to_dict(self.params_for_choice(index))
+        if self.open_ended:
+            out["max_tokens"] = None
+        return out
 
-def chat_spec(req: ChatCompletionRequest, default_max_tokens: int) -> GenerationSpec:
+
+def chat_spec(req: ChatCompletionRequest) -> GenerationSpec:
     _reject_if(
         req.response_format is not None and req.response_format.type != "text",
         "response_format",
@@ -63,15 +77,15 @@ def chat_spec(req: ChatCompletionRequest, default_max_tokens: int) -> Generation
     )
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     top = req.top_logprobs or 0
-    return _spec(req, max_tokens, default_max_tokens, req.logprobs, top, "top_logprobs")
+    return _spec(req, max_tokens, req.logprobs, top, "top_logprobs")
 
 
-def completion_spec(req: CompletionRequest, default_max_tokens: int) -> GenerationSpec:
+def completion_spec(req: CompletionRequest) -> GenerationSpec:
     _reject_if(req.echo, "echo", "echo is not supported")
     _reject_if(bool(req.suffix), "suffix", "suffix is not supported")
     _reject_if(req.logprobs is not None and req.logprobs < 0, "logprobs", "logprobs must be >= 0")
     top = req.logprobs or 0
-    return _spec(req, req.max_tokens, default_max_tokens, req.logprobs is not None, top, "logprobs")
+    return _spec(req, req.max_tokens, req.logprobs is not None, top, "logprobs")
 
 
 def native_spec(req: NativeGenerateRequest) -> GenerationSpec:
@@ -104,7 +118,6 @@ def native_spec(req: NativeGenerateRequest) -> GenerationSpec:
 def _spec(
     req: SamplingFields,
     max_tokens: int | None,
-    default_max_tokens: int,
     logprobs: bool,
     top_logprobs: int,
     top_logprobs_param: str,
@@ -123,7 +136,7 @@ def _spec(
         f"{top_logprobs_param} must be at most {MAX_TOP_LOGPROBS} (got {top_logprobs})",
     )
     params = SamplingParams(
-        max_tokens=default_max_tokens if max_tokens is None else max_tokens,
+        max_tokens=1 if max_tokens is None else max_tokens,  # open-ended: validated as 1, sent as None
         temperature=1.0 if req.temperature is None else req.temperature,
         top_k=-1 if req.top_k is None else req.top_k,
         top_p=1.0 if req.top_p is None else req.top_p,
@@ -139,7 +152,9 @@ def _spec(
     )
     _validate(params, {"top_logprobs": top_logprobs_param})
     include_usage = req.stream_options is not None and req.stream_options.include_usage
-    return GenerationSpec(params, _stop_strings(req.stop), req.n, req.stream, include_usage)
+    return GenerationSpec(
+        params, _stop_strings(req.stop), req.n, req.stream, include_usage, max_tokens is None
+    )
 
 
 def _stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:

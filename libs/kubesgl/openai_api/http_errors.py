@@ -1,19 +1,12 @@
-"""OpenAI error bodies: building them from kubesgl errors, from request-validation failures and from the
-ErrorReply dicts other services send; plus the errors only the HTTP edge raises (401, 413, 429)."""
+"""OpenAI error bodies, built from kubesgl errors and from request-validation failures; plus the errors only
+the HTTP edge raises (401, 413, 429). Errors other services report arrive via protocol.error_from_dict."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kubesgl.errors import (
-    ContextLengthError,
-    DeadlineExceededError,
-    InvalidRequestError,
-    KubesglError,
-    ModelNotFoundError,
-    ServiceUnavailableError,
-)
+from kubesgl.errors import InvalidRequestError, KubesglError
 
 
 class AuthenticationError(KubesglError):
@@ -34,33 +27,8 @@ class RateLimitError(KubesglError):
     code = "concurrency_limit_exceeded"
 
 
-_BY_STATUS: dict[int, type[KubesglError]] = {
-    400: InvalidRequestError,
-    401: AuthenticationError,
-    404: ModelNotFoundError,
-    413: PayloadTooLargeError,
-    429: RateLimitError,
-    503: ServiceUnavailableError,
-    504: DeadlineExceededError,
-}
-
-
 def error_body(err: KubesglError) -> dict[str, Any]:
     return {"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}}
-
-
-def error_from_wire(body: Mapping[str, Any]) -> KubesglError:
-    """Rebuilds the typed error another service reported ({status, type, code, param, message})."""
-    status = int(body.get("status") or 500)
-    cls = (
-        ContextLengthError
-        if body.get("code") == ContextLengthError.code
-        else _BY_STATUS.get(status, KubesglError)
-    )
-    err = cls(str(body.get("message") or "internal error"), param=body.get("param"))
-    # Instance attributes keep the sender's exact status/type/code even where no subclass matches.
-    err.status, err.type, err.code = status, str(body.get("type") or cls.type), body.get("code", cls.code)
-    return err
 
 
 def error_from_validation(errors: Sequence[Mapping[str, Any]]) -> InvalidRequestError:
