@@ -132,19 +132,25 @@ class TokenizerService:
             raise DeadlineExceededError("the request's deadline passed before it was tokenized")
         if req.model != self.model:
             raise ModelNotFoundError(f"The model `{req.model}` does not exist.", param="model")
-        params = sampling_from_dict(req.sampling)
+        sampling = dict(req.sampling)
+        # max_tokens None is OpenAI's default, the rest of the context: only the prompt's length decides it.
+        open_ended = sampling.get("max_tokens") is None
+        sampling_from_dict({**sampling, "max_tokens": 1} if open_ended else sampling)  # validates
         start = time.perf_counter()
         ids = await asyncio.to_thread(prompt_ids, req, self.tokenizer)
         self.metrics.on_tokenized(time.perf_counter() - start, len(ids))
         candidates = self.registry.candidates(self.model)
         if not candidates:
             raise ServiceUnavailableError(f"no scheduler is available for model `{self.model}`; retry later")
-        check_context(req, len(ids), params.max_tokens, min(c.heartbeat.context_len for c in candidates))
+        context_len = min(c.heartbeat.context_len for c in candidates)
+        if open_ended:
+            sampling["max_tokens"] = max(context_len - len(ids), 1)
+        check_context(req, len(ids), sampling["max_tokens"], context_len)
         gen = GenerateRequest(
             rid=req.rid,
             gateway_id=req.gateway_id,
             input_ids=ids,
-            sampling=req.sampling,
+            sampling=sampling,
             deadline=req.deadline,
         )
         return await self._forward(gen, trace)
