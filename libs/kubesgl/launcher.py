@@ -57,6 +57,7 @@ class ServiceProcess:
     proc: subprocess.Popen[bytes]
     ready_url: str
     log_path: Path | None
+    instance_id: str | None = None  # schedulers only
 
     def log_tail(self, lines: int = 30) -> str:
         if self.log_path is None or not self.log_path.exists():
@@ -105,6 +106,7 @@ class Stack:
             "--log-level",
             c.log_level,
         ]
+        instance_id = f"{name}-{os.getpid()}" if kind == "scheduler" else None
         if kind == "gateway":
             port = (c.port + index) if c.port else free_port()
             args += ["--host", c.host, "--port", str(port), *c.gateway_args]
@@ -115,7 +117,7 @@ class Stack:
             if kind in ("scheduler", "tokenizer"):
                 args += ["--served-model-name", c.served_model_name]
             if kind == "scheduler":
-                args += ["--instance-id", f"{name}-{os.getpid()}", *c.scheduler_args]
+                args += ["--instance-id", str(instance_id), *c.scheduler_args]
             ready_url = f"http://127.0.0.1:{admin}/ready"
         log_path = self.workdir / f"{name}.log" if c.log_to_files else None
         out = open(log_path, "ab") if log_path else None  # noqa: SIM115 - the child owns it
@@ -132,7 +134,7 @@ class Stack:
         finally:
             if out:
                 out.close()
-        self.services[name] = ServiceProcess(name, kind, proc, ready_url, log_path)
+        self.services[name] = ServiceProcess(name, kind, proc, ready_url, log_path, instance_id)
         return self.services[name]
 
     def wait_ready(self, timeout_s: float, names: list[str] | None = None) -> None:
