@@ -1,8 +1,9 @@
 """Sparse mixture-of-experts block (Qwen3-MoE): softmax top-k router and experts sharded over TP.
 
 Experts are stacked: w13 [E, 2*I/tp, H] holds each expert's [gate | up] rows for this rank's slice of
-the intermediate dim, w2 [E, H, I/tp] its down projection. `experts_forward` is the plain-torch inner
-kernel (correct anywhere); a fused Triton MoE can replace it with the same signature.
+the intermediate dim, w2 [E, H, I/tp] its down projection. The block runs `kernels.fused_moe`: Triton
+grouped GEMMs on CUDA (no host sync, so decode can be captured in a CUDA graph) and `experts_forward`,
+the plain-torch reference, elsewhere.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kubesgl.distributed import TPGroup, shard_range
+from kubesgl.kernels import fused_moe
 from kubesgl.layers.linear import copy_checked, load_full, make_param
 
 ExpertsForward = Callable[
@@ -41,7 +43,7 @@ def experts_forward(
 ) -> torch.Tensor:
     """sum_k weight_k * expert_{id_k}(x) with tokens grouped by expert (one matmul pair per hit expert).
 
-    Reference kernel: reading the per-expert counts syncs with the host, which a fused kernel avoids.
+    Reference kernel: reading the per-expert counts syncs with the host, which `fused_moe` avoids on CUDA.
     """
     t, k = topk_ids.shape
     flat_ids = topk_ids.reshape(-1)
@@ -74,7 +76,7 @@ class SparseMoeBlock(nn.Module):
         renormalize: bool,
         *,
         tp: TPGroup,
-        experts_impl: ExpertsForward = experts_forward,
+        experts_impl: ExpertsForward = fused_moe,
     ) -> None:
         super().__init__()
         self.tp = tp

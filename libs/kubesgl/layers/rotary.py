@@ -1,7 +1,8 @@
-"""Rotary position embedding (NeoX layout: the two halves of each head rotate together).
+"""Rotary position embedding (NeoX layout: the two halves of each head rotate together), in place.
 
 cos/sin are precomputed in float32 for every position up to the context length, so the forward is one
-gather and a few multiplies with no host work.
+gather and a few multiplies with no host work. CUDA tensors take the Triton kernel (float32 math, one
+rounding); others keep HF's arithmetic in the activation dtype, so CPU results equal HF's bit for bit.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import torch
 from torch import nn
 
 from kubesgl.errors import UnsupportedModelError
+from kubesgl.kernels import apply_rotary_neox
+from kubesgl.kernels.dispatch import use_triton
 
 
 def default_inv_freq(rotary_dim: int, base: float) -> torch.Tensor:
@@ -35,7 +38,7 @@ def llama3_inv_freq(inv_freq: torch.Tensor, scaling: Mapping[str, Any]) -> torch
 
 
 class RotaryEmbedding(nn.Module):
-    """Applies RoPE to q [T, q_heads * D] and k [T, kv_heads * D] at the tokens' absolute positions."""
+    """Rotates q [T, q_heads * D] and k [T, kv_heads * D] in place at the tokens' absolute positions."""
 
     def __init__(
         self,
@@ -60,17 +63,22 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)  # [max_position, D/2] float32
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        t = x.shape[0]
-        x = x.view(t, -1, self.head_dim)
-        x1, x2 = x.chunk(2, dim=-1)
-        # Same arithmetic as HF: cos/sin cast to the activation dtype, then x*cos + rotate_half(x)*sin.
-        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-        return out.view(t, -1)
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        x1, x2 = x.view(x.shape[0], -1, self.head_dim).chunk(2, dim=-1)
+        # Same arithmetic as HF: cos/sin cast to the activation dtype, then x*cos + rotate_half(x)*sin;
+        # both halves are computed before either is written.
+        r1, r2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+        x1.copy_(r1)
+        x2.copy_(r2)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotates q [T, q_heads * D] and k [T, kv_heads * D] (rows dense, e.g. qkv slices) in place."""
+        if use_triton(q):
+            return apply_rotary_neox(positions, q, k, self.cos, self.sin)
         cos = self.cos[positions].to(q.dtype)[:, None, :]
         sin = self.sin[positions].to(q.dtype)[:, None, :]
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        self._rotate(q, cos, sin)
+        self._rotate(k, cos, sin)
+        return q, k
