@@ -1,45 +1,13 @@
-"""The local kubesgl stack for end-to-end telemetry and load tests: `kubesgl up`'s Stack with the demo model
-(tiny random Qwen3, real tokenizer), every service its own process, plus where each serves /metrics."""
+"""Helpers for end-to-end telemetry and load tests over the local stack (conftest's stack_factory): where
+each service serves /metrics, one streamed chat completion, and steady background load."""
 
 from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
-from pathlib import Path
 
 import httpx
-from kubesgl.launcher import Stack, StackConfig, cache_dir, resolve_model
-
-READY_TIMEOUT_S = 240.0
-
-
-@contextmanager
-def running_stack(workdir: Path, env: dict[str, str] | None = None, detokenizers: int = 1) -> Iterator[Stack]:
-    """A started, ready stack on free ports; stopped (gracefully) on exit, logs shown if it fails to start."""
-    model_path, name = resolve_model("demo", None)
-    assert cache_dir().exists()
-    config = StackConfig(
-        model_path=model_path,
-        served_model_name=name,
-        detokenizers=detokenizers,
-        port=0,
-        scheduler_args=("--device", "cpu", "--num-pages", "32768"),
-        log_level="info",
-        env=env or {},
-    )
-    stack = Stack(config, workdir)
-    try:
-        stack.start()
-        try:
-            stack.wait_ready(READY_TIMEOUT_S)
-        except (TimeoutError, RuntimeError) as e:
-            logs = "\n".join(f"--- {s.name}\n{s.log_tail()}" for s in stack.services.values())
-            raise RuntimeError(f"stack did not start: {e}\n{logs}") from e
-        yield stack
-    finally:
-        stack.stop()
+from kubesgl.launcher import Stack
 
 
 def model_name(stack: Stack) -> str:

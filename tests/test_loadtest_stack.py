@@ -12,8 +12,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import StackFactory
 from kubesgl.launcher import Stack
-from local_stack import model_name, running_stack
+from local_stack import model_name
 
 pytestmark = pytest.mark.slow
 
@@ -25,9 +26,12 @@ CI_THRESHOLDS = {"TTFT_P95_MS": "60000", "ITL_P95_MS": "10000", "E2E_P95_MS": "1
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    with running_stack(tmp_path_factory.mktemp("stack"), detokenizers=2) as s:
+def stack(stack_factory: StackFactory, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    s = stack_factory(tmp_path_factory.mktemp("stack"), detokenizers=2)
+    try:
         yield s
+    finally:
+        s.stop(timeout_s=10)
 
 
 def run(args: list[str], env: dict[str, str], timeout_s: float) -> subprocess.CompletedProcess[str]:

@@ -7,9 +7,10 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from conftest import StackFactory
 from dashboard_queries import concrete, dashboards, exprs, metric_names
 from kubesgl.launcher import Stack
-from local_stack import BackgroundLoad, metrics_targets, model_name, running_stack
+from local_stack import BackgroundLoad, metrics_targets, model_name
 from prometheus_server import PrometheusServer
 
 pytestmark = pytest.mark.slow
@@ -19,8 +20,11 @@ MAX_TOKENS = 32
 
 
 @pytest.fixture(scope="module")
-def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, PrometheusServer]]:
-    with running_stack(tmp_path_factory.mktemp("stack")) as stack:
+def scraped(
+    stack_factory: StackFactory, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Stack, PrometheusServer]]:
+    stack = stack_factory(tmp_path_factory.mktemp("stack"))
+    try:
         prometheus = PrometheusServer(tmp_path_factory.mktemp("prometheus"), metrics_targets(stack))
         try:
             prometheus.wait_ready()
@@ -45,6 +49,8 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, P
             yield stack, prometheus
         finally:
             prometheus.stop()
+    finally:
+        stack.stop(timeout_s=10)
 
 
 def scalar(prometheus: PrometheusServer, expr: str) -> float:

@@ -7,7 +7,8 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from local_stack import model_name, running_stack, stream_chat
+from conftest import StackFactory
+from local_stack import model_name, stream_chat
 from otlp_receiver import OtlpReceiver, ReceivedSpan
 
 pytestmark = pytest.mark.slow
@@ -20,14 +21,17 @@ MAX_TOKENS = 6
 
 
 @pytest.fixture(scope="module")
-def trace(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, list[ReceivedSpan]]]:
+def trace(
+    stack_factory: StackFactory, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, list[ReceivedSpan]]]:
     """The spans of one streamed chat completion sent under a client's trace context, and the model name."""
     with OtlpReceiver() as receiver:
         env = {
             "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
             "OTEL_BSP_SCHEDULE_DELAY": "100",  # export within 0.1 s instead of 5 s
         }
-        with running_stack(tmp_path_factory.mktemp("stack"), env=env) as stack:
+        stack = stack_factory(tmp_path_factory.mktemp("stack"), env=env)
+        try:
             model = model_name(stack)
             headers = {"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"}
             with httpx.Client(base_url=stack.gateway_urls[0], headers=headers, timeout=120) as client:
@@ -40,6 +44,8 @@ def trace(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, list[
 
             receiver.wait_for(complete, timeout_s=30)
             yield model, [s for s in receiver.snapshot() if s.trace_id == CLIENT_TRACE]
+        finally:
+            stack.stop(timeout_s=10)
 
 
 def one(spans: list[ReceivedSpan], name: str) -> ReceivedSpan:
