@@ -1,0 +1,49 @@
+"""Typed errors shared by the engine and the services; each maps to one OpenAI error status."""
+
+from __future__ import annotations
+
+
+class KubesglError(Exception):
+    """Base class. `status` is the HTTP status the gateway answers with; `code` the OpenAI error code."""
+
+    status = 500
+    type = "internal_error"
+    code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class InvalidRequestError(KubesglError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class ContextLengthError(InvalidRequestError):
+    code = "context_length_exceeded"
+
+
+class ModelNotFoundError(KubesglError):
+    status = 404
+    type = "invalid_request_error"
+    code = "model_not_found"
+
+
+class UnsupportedModelError(KubesglError):
+    """The checkpoint's architecture has no implementation here."""
+
+    status = 400
+    type = "invalid_request_error"
+    code = "unsupported_model"
+
+
+class ServiceUnavailableError(KubesglError):
+    status = 503
+    type = "service_unavailable"
+
+
+class DeadlineExceededError(KubesglError):
+    status = 504
+    type = "timeout"
