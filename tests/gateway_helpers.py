@@ -12,14 +12,6 @@ from pathlib import Path
 
 import httpx
 
-# The gateway's own entry point (what `kubesgl gateway` runs), so these tests need nothing but the gateway.
-_ENTRY = (
-    "import argparse, sys\n"
-    "from kubesgl.services.gateway import app\n"
-    "p = argparse.ArgumentParser(); app.add_arguments(p)\n"
-    "sys.exit(app.main(p.parse_args(sys.argv[1:])))\n"
-)
-
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -32,7 +24,7 @@ class GatewayProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"gateway-{self.port}.log"
-        cmd = [sys.executable, "-c", _ENTRY, "--nats-url", nats_url, "--host", "127.0.0.1"]
+        cmd = [sys.executable, "-m", "kubesgl.cli", "gateway", "--nats-url", nats_url, "--host", "127.0.0.1"]
         cmd += ["--port", str(self.port), *args]
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - lives as long as the process
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=dict(os.environ))

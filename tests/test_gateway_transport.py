@@ -5,9 +5,7 @@ vanished schedulers, stop strings, aborts, auth and limits). The gateway runs as
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import subprocess
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
@@ -15,7 +13,8 @@ from pathlib import Path
 import httpx
 import nats
 import pytest
-from gateway_helpers import GatewayProcess, free_port, wait_http
+from gateway_helpers import GatewayProcess, wait_http
+from kubesgl.nats_server import NatsServer
 from kubesgl.protocol import (
     ABORT,
     HEARTBEAT,
@@ -37,23 +36,12 @@ MODEL = "fake-model"
 
 @pytest.fixture(scope="module")
 def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = free_port()
-    binary = Path(__file__).resolve().parents[1] / ".venv" / "bin" / "nats-server"
-    proc = subprocess.Popen([str(binary), "-a", "127.0.0.1", "-p", str(port)], stderr=subprocess.DEVNULL)
-    url = f"nats://127.0.0.1:{port}"
+    server = NatsServer(tmp_path_factory.mktemp("nats"))
+    server.start()
     try:
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            with (
-                contextlib.suppress(OSError),
-                __import__("socket").create_connection(("127.0.0.1", port), 0.2),
-            ):
-                break
-            time.sleep(0.05)
-        yield url
+        yield server.url
     finally:
-        proc.terminate()
-        proc.wait(5)
+        server.stop()
 
 
 def _gateway(nats_url: str, tmp: Path, *args: str) -> Iterator[GatewayProcess]:
