@@ -69,7 +69,8 @@ class OtlpReceiver:
                 pass
 
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        # A short poll so stop() returns in ~50 ms rather than serve_forever's default 0.5 s.
+        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,), daemon=True)
 
     @property
     def endpoint(self) -> str:
