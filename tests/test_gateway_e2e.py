@@ -5,6 +5,7 @@ model; outputs equal the offline LLM on the same model (greedy)."""
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import time
 from collections.abc import Iterator
@@ -18,7 +19,11 @@ from conftest import TEST_SCHEDULER_ARGS
 from kubesgl import LLM, SamplingParams
 from kubesgl.launcher import Stack
 from kubesgl.protocol import SchedulerStats, stats_subject
+from kubesgl.shell import ChatSession, repl
 from kubesgl.text.tokenizer import ModelTokenizer
+from prompt_toolkit import PromptSession
+from prompt_toolkit.input import create_pipe_input
+from prompt_toolkit.output import DummyOutput
 
 MODEL = "demo"
 CONTEXT = 256
@@ -375,3 +380,25 @@ def test_native_generate_models_ready_and_metrics(url, offline, tokenizer) -> No
             in metrics
         )
         assert "kubesgl_gateway_time_to_first_token_seconds_bucket" in metrics
+
+
+def test_shell_streams_replies_keeps_history_and_resets(url, offline, tokenizer) -> None:
+    def expected(messages: list[dict[str, str]]) -> str:
+        return tokenizer.decode(_greedy(offline, tokenizer.render_chat(messages), max_tokens=6)["token_ids"])
+
+    first = expected([{"role": "user", "content": "hello"}])
+    second = expected(
+        [
+            {"role": "user", "content": "hello"},
+            {"role": "assistant", "content": first},
+            {"role": "user", "content": "and then?"},
+        ]
+    )
+    out = io.StringIO()
+    with create_pipe_input() as keys, httpx.Client(base_url=url, timeout=60) as http:
+        keys.send_text("hello\nand then?\n/reset\nhello\n/exit\n")
+        session = ChatSession(http, MODEL, sampling={"max_tokens": 6, "temperature": 0})
+        assert repl(session, PromptSession(input=keys, output=DummyOutput()), out) == 0
+    banner, rest = out.getvalue().split("\n", 1)
+    assert MODEL in banner
+    assert rest == f"{first}\n{second}\n(conversation cleared)\n{first}\n"
