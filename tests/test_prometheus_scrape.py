@@ -16,7 +16,7 @@ from prometheus_server import PrometheusServer
 pytestmark = pytest.mark.slow
 
 LOAD_S = 5.0
-MAX_TOKENS = 32
+MAX_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,7 @@ def scraped(
                     "max_over_time(sglang:num_running_reqs[1m]) >= 1", lambda r: len(r) > 0, timeout_s=60
                 )
                 prometheus.wait_for(
-                    'sum(kubesgl_gateway_requests_total{status="200"}) >= 4',
+                    'sum(kubesgl_gateway_requests_total{status="200"}) >= 3',
                     lambda r: len(r) > 0,
                     timeout_s=90,
                 )
@@ -71,7 +71,7 @@ def test_ttft_quantile_from_scheduler_histogram(scraped: tuple[Stack, Prometheus
     selector = f'sglang:time_to_first_token_seconds_bucket{{model_name="{model}"}}'
     p90 = scalar(prometheus, f"histogram_quantile(0.9, sum by (le) (increase({selector}[5m])))")
     assert 0 < p90 <= 400
-    assert scalar(prometheus, f'sum(sglang:time_to_first_token_seconds_count{{model_name="{model}"}})') >= 4
+    assert scalar(prometheus, f'sum(sglang:time_to_first_token_seconds_count{{model_name="{model}"}})') >= 3
     # Buckets are SGLang's: the first finite bound is 100 ms.
     les = {r["metric"]["le"] for r in prometheus.query(selector)}
     assert {"0.1", "400.0", "+Inf"} <= les
@@ -90,7 +90,7 @@ def test_token_counters_agree_across_services(scraped: tuple[Stack, PrometheusSe
     generated = scalar(prometheus, "sum(sglang:generation_tokens_total)")
     streamed = scalar(prometheus, "sum(kubesgl_gateway_completion_tokens_total)")
     detokenized = scalar(prometheus, "sum(kubesgl_detokenizer_tokens_total)")
-    assert generated >= 4 * MAX_TOKENS
+    assert generated >= 3 * MAX_TOKENS
     # Every generated token was detokenized and streamed (ignore_eos: no stop token is held back).
     assert detokenized == generated
     assert streamed == generated
