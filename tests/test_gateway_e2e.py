@@ -4,6 +4,7 @@ model; outputs equal the offline LLM on the same model (greedy)."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import io
 import json
@@ -17,6 +18,7 @@ import openai
 import pytest
 from conftest import TEST_SCHEDULER_ARGS
 from kubesgl import LLM, SamplingParams
+from kubesgl.bench import serve as bench_serve
 from kubesgl.launcher import Stack
 from kubesgl.protocol import SchedulerStats, stats_subject
 from kubesgl.shell import ChatSession, repl
@@ -402,3 +404,13 @@ def test_shell_streams_replies_keeps_history_and_resets(url, offline, tokenizer)
     banner, rest = out.getvalue().split("\n", 1)
     assert MODEL in banner
     assert rest == f"{first}\n{second}\n(conversation cleared)\n{first}\n"
+
+
+def test_bench_serve_drives_the_gateway_and_reports_latencies(url, capsys) -> None:
+    parser = argparse.ArgumentParser()
+    bench_serve.add_arguments(parser)
+    args = parser.parse_args(["--url", url, "--num-seqs", "4", "--max-input", "32", "--max-output", "20"])
+    assert bench_serve.main(args) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert res["failed"] == 0 and res["output_tokens"] == res["requested_output_tokens"]
+    assert 0 < res["ttft_p50_s"] <= res["ttft_p99_s"] and res["itl_p50_s"] > 0 and res["output_tok_s"] > 0

@@ -1,0 +1,228 @@
+"""`kubesgl bench serve`: drives a running gateway with the seed workload shape and compares it with the
+offline LLM on the same requests.
+
+Workload: kubesgl.bench.offline's (python `random` seeded 0; prompts of randint(min_in, max_in) token ids
+from randint(0, 10000), then max_tokens randint(min_out, max_out) each; temperature 0.6; EOS ignored), with
+defaults scaled down for a CPU. Every request is a streamed /v1/completions call with token-id prompts,
+sent at once (or `--max-concurrency` at a time). Reported: output tok/s over the wall time, TTFT p50/p99,
+ITL p50/p99 (gaps between streamed chunks, as a client sees them) and TPOT (per request, (last - first
+chunk) / (tokens - 1)). With `--model`, the offline LLM then runs the same requests: the ratio
+serving/offline, and the TTFT the bus adds (one request alone, through the gateway vs. offline prefill).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import numpy as np
+
+from kubesgl.bench.offline import make_workload
+
+SINGLE_TTFT_RUNS = 5
+
+
+@dataclass
+class RequestTiming:
+    ttft: float | None = None
+    gaps: list[float] = field(default_factory=list)
+    first: float | None = None
+    last: float | None = None
+    completion_tokens: int = 0
+    error: str | None = None
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="gateway base URL")
+    p.add_argument("--api-key", default=os.environ.get("KUBESGL_API_KEY"), help="env KUBESGL_API_KEY")
+    p.add_argument("--served-model", default=None, help="model id to request (default: the first served)")
+    p.add_argument("--num-seqs", type=int, default=32)
+    p.add_argument("--min-input", type=int, default=16)
+    p.add_argument("--max-input", type=int, default=256)
+    p.add_argument("--min-output", type=int, default=16)
+    p.add_argument("--max-output", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.6)
+    p.add_argument("--max-concurrency", type=int, default=0, help="requests in flight at once (0 = all)")
+    p.add_argument("--model", default=None, help="model dir: also run the offline LLM on the same requests")
+    p.add_argument("--device", default="cpu", help="offline LLM device (match the scheduler's)")
+    p.add_argument("--page-size", type=int, default=1, help="offline LLM page size (match the scheduler's)")
+    p.add_argument("--num-pages", type=int, default=None, help="offline LLM KV pages")
+    p.add_argument("--json", default=None, help="append the figures as one JSON line to this file")
+
+
+def main(args: argparse.Namespace) -> int:
+    prompts, max_tokens = make_workload(args)
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    res: dict[str, Any] = {
+        "requests": len(prompts),
+        "prompt_tokens": sum(map(len, prompts)),
+        "requested_output_tokens": sum(max_tokens),
+    }
+    res.update(asyncio.run(_serve(args, prompts, max_tokens, headers)))
+    if args.model:
+        res.update(_offline(args, prompts, max_tokens))
+        res["serving_over_offline"] = round(res["output_tok_s"] / res["offline_output_tok_s"], 3)
+        res["bus_ttft_overhead_s"] = round(res["single_ttft_s"] - res["offline_single_ttft_s"], 4)
+    _print(res)
+    if args.json:
+        with open(args.json, "a") as f:
+            f.write(json.dumps(res) + "\n")
+    return 0 if res["failed"] == 0 else 1
+
+
+async def _serve(
+    args: argparse.Namespace, prompts: list[list[int]], max_tokens: list[int], headers: dict[str, str]
+) -> dict[str, Any]:
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    timeout = httpx.Timeout(30.0, read=None)
+    async with httpx.AsyncClient(base_url=args.url, headers=headers, limits=limits, timeout=timeout) as http:
+        model = args.served_model or await _first_model(http)
+        await _stream(http, model, prompts[0][:8], 2, args.temperature)  # warm-up
+        gate = asyncio.Semaphore(args.max_concurrency or len(prompts))
+
+        async def one(ids: list[int], n: int) -> RequestTiming:
+            async with gate:
+                return await _stream(http, model, ids, n, args.temperature)
+
+        start = time.perf_counter()
+        timings = await asyncio.gather(*(one(p, n) for p, n in zip(prompts, max_tokens, strict=True)))
+        wall = time.perf_counter() - start
+        singles = [
+            await _stream(http, model, prompts[0], 1, args.temperature) for _ in range(SINGLE_TTFT_RUNS)
+        ]
+    ok = [t for t in timings if t.error is None]
+    out_tokens = sum(t.completion_tokens for t in ok)
+    gaps = [g for t in ok for g in t.gaps]
+    tpots = [
+        (t.last - t.first) / (t.completion_tokens - 1)
+        for t in ok
+        if t.first is not None and t.last is not None and t.completion_tokens > 1
+    ]
+    errors = sorted({t.error for t in timings if t.error})
+    return {
+        "served_model": model,
+        "failed": len(timings) - len(ok),
+        "errors": errors[:5],
+        "output_tokens": out_tokens,
+        "seconds": round(wall, 3),
+        "output_tok_s": round(out_tokens / wall, 2),
+        "ttft_p50_s": _pct([t.ttft for t in ok if t.ttft is not None], 50),
+        "ttft_p99_s": _pct([t.ttft for t in ok if t.ttft is not None], 99),
+        "itl_p50_s": _pct(gaps, 50),
+        "itl_p99_s": _pct(gaps, 99),
+        "tpot_p50_s": _pct(tpots, 50),
+        "single_ttft_s": round(statistics.median(t.ttft or float("nan") for t in singles), 4),
+    }
+
+
+async def _stream(
+    http: httpx.AsyncClient, model: str, ids: list[int], n: int, temperature: float
+) -> RequestTiming:
+    body = {
+        "model": model,
+        "prompt": ids,
+        "max_tokens": n,
+        "temperature": temperature,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    timing = RequestTiming()
+    start = time.perf_counter()
+    try:
+        async with http.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                await r.aread()
+                timing.error = f"HTTP {r.status_code}: {r.text[:200]}"
+                return timing
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    _on_event(timing, json.loads(line[6:]), time.perf_counter() - start)
+    except httpx.HTTPError as e:
+        timing.error = f"{type(e).__name__}: {e}"
+    return timing
+
+
+def _on_event(timing: RequestTiming, event: dict[str, Any], now: float) -> None:
+    if "error" in event:
+        timing.error = str(event["error"].get("message"))
+        return
+    if event.get("usage"):
+        timing.completion_tokens = event["usage"]["completion_tokens"]
+    if any(c.get("text") for c in event.get("choices", ())):
+        if timing.first is None:
+            timing.ttft = timing.first = now
+        else:
+            timing.gaps.append(now - (timing.last or now))
+        timing.last = now
+
+
+def _offline(args: argparse.Namespace, prompts: list[list[int]], max_tokens: list[int]) -> dict[str, Any]:
+    from kubesgl import LLM, SamplingParams
+
+    llm = LLM(args.model, device=args.device, page_size=args.page_size, num_pages=args.num_pages)
+    try:
+        llm.generate([prompts[0][:8]], SamplingParams(max_tokens=2))  # warm-up
+        params = [
+            SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n) for n in max_tokens
+        ]
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        wall = time.perf_counter() - start
+        singles = []
+        for _ in range(SINGLE_TTFT_RUNS):
+            t = time.perf_counter()
+            llm.generate([prompts[0]], SamplingParams(temperature=args.temperature, max_tokens=1))
+            singles.append(time.perf_counter() - t)
+    finally:
+        llm.shutdown()
+    out_tokens = sum(len(o["token_ids"]) for o in outs)
+    return {
+        "offline_seconds": round(wall, 3),
+        "offline_output_tok_s": round(out_tokens / wall, 2),
+        "offline_single_ttft_s": round(statistics.median(singles), 4),
+    }
+
+
+async def _first_model(http: httpx.AsyncClient) -> str:
+    r = await http.get("/v1/models")
+    r.raise_for_status()
+    data = r.json()["data"]
+    if not data:
+        raise SystemExit("kubesgl bench serve: the gateway serves no model yet")
+    return data[0]["id"]
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    return round(float(np.percentile(values, q)), 4) if values else None
+
+
+def _print(res: dict[str, Any]) -> None:
+    rows = [
+        ("requests (failed)", f"{res['requests']} ({res['failed']})"),
+        ("prompt / output tokens", f"{res['prompt_tokens']} / {res['output_tokens']}"),
+        ("output tok/s (serving)", res["output_tok_s"]),
+        ("TTFT p50 / p99 (s)", f"{res['ttft_p50_s']} / {res['ttft_p99_s']}"),
+        ("ITL p50 / p99 (s)", f"{res['itl_p50_s']} / {res['itl_p99_s']}"),
+        ("TPOT p50 (s)", res["tpot_p50_s"]),
+        ("single-request TTFT (s)", res["single_ttft_s"]),
+    ]
+    if "offline_output_tok_s" in res:
+        rows += [
+            ("output tok/s (offline LLM)", res["offline_output_tok_s"]),
+            ("serving / offline", res["serving_over_offline"]),
+            ("TTFT the bus adds (s)", res["bus_ttft_overhead_s"]),
+        ]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    for e in res["errors"]:
+        print(f"error: {e}")
+    print(json.dumps(res), flush=True)
