@@ -183,6 +183,8 @@ def main(args: argparse.Namespace) -> int:
         if bw == bw
         else float("nan")
     )
+    if llm.engine.profile is not None:
+        print(llm.engine.profile.report(), flush=True)
     graphs = llm.engine.runner.graphs
     res: dict[str, Any] = {
         "model": args.model,

@@ -23,6 +23,7 @@ from kubesgl.engine.request import Req
 from kubesgl.engine.runner import ModelRunner, StepResult
 from kubesgl.engine.sampling import SamplingParams
 from kubesgl.engine.scheduler import Scheduler, SchedulerLimits
+from kubesgl.engine.step_profile import StepProfile
 from kubesgl.engine.types import EngineStats, ModelInfo, RequestOutput
 from kubesgl.errors import InvalidRequestError
 from kubesgl.kv.page_pool import PagePool
@@ -139,6 +140,9 @@ class Engine:
         self.cache = cache
         self.overlap = overlap_enabled(config)
         self._inflight: tuple[BatchPlan, list[Req], StepResult] | None = None
+        on = os.environ.get("KUBESGL_STEP_PROFILE", "") not in ("", "0")
+        self.profile: StepProfile | None = StepProfile() if on else None
+        self._timing: dict[int, tuple] = {}
         hf = r.model.hf_config
         self.info = ModelInfo(
             name=os.path.basename(os.path.normpath(config.model_path)),
@@ -161,20 +165,42 @@ class Engine:
         return self.scheduler.has_work() or self._inflight is not None
 
     def step(self) -> list[RequestOutput]:
+        prof = self.profile
+        if prof is not None:
+            prof.tick()
         outputs: list[RequestOutput] = []
         scheduled = self.scheduler.schedule()
         launched = None
         if scheduled is not None:
             plan, reqs = scheduled
+            if prof is not None:
+                t_sched = prof.tick()
+                ev = prof.events(self.runner.device.type == "cuda")
             self.tp.broadcast_object(plan)
             launched = (plan, reqs, self.runner.execute(plan))
+            if prof is not None:
+                if ev is not None:
+                    ev[1].record()
+                self._timing[id(plan)] = (t_sched, prof.tick(), ev)
         if self.overlap:
             done, self._inflight = self._inflight, launched
         else:
             done = launched
         if done is not None:
             plan, reqs, result = done
-            outputs += self.scheduler.process(plan, reqs, result.to_host())
+            host = result.to_host()
+            if prof is not None:
+                t_wait = prof.tick()
+            outputs += self.scheduler.process(plan, reqs, host)
+            if prof is not None:
+                t_sched, t_launch, ev = self._timing.pop(id(plan))
+                b = prof.buckets[prof.key(plan.mode, plan.batch_size)]
+                b.steps += 1
+                b.schedule += t_sched
+                b.launch += t_launch
+                b.wait += t_wait
+                b.process += prof.tick()
+                b.device += ev[0].elapsed_time(ev[1]) / 1e3 if ev is not None else 0.0
         outputs += self.scheduler.drain_finished()
         return outputs
 
