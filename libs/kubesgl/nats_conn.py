@@ -110,6 +110,17 @@ async def connect(settings: NatsSettings, name: str) -> Client:
     return nc
 
 
+async def close(nc: Client) -> None:
+    """Drains (delivers what is buffered, then closes); a connection that is down is just closed."""
+    if nc.is_closed:
+        return
+    try:
+        await nc.drain()
+    except Exception as e:  # reconnecting or already draining: nothing more can be flushed anyway
+        log.info("nats drain skipped (%s); closing", type(e).__name__)
+        await nc.close()
+
+
 def _backoff(servers: list[Any], _info: dict[str, Any]) -> tuple[Any, float]:
     # nats-py counts failed attempts per server in `reconnects`; the least-tried server goes next.
     server = min(servers, key=lambda s: s.reconnects)

@@ -75,6 +75,21 @@ class ProtocolError(ValueError):
     """A body that is not a valid message of the expected type."""
 
 
+_MAX_ID_LEN = 256
+
+
+def check_ids(rid: str, gateway_id: str) -> None:
+    """Refuses ids that would break a header or a subject (they travel in both) before anyone relies on them."""
+    if not isinstance(rid, str) or not rid or len(rid) > _MAX_ID_LEN or not rid.isprintable() or " " in rid:
+        raise InvalidRequestError(
+            f"invalid request id {rid!r}: 1-{_MAX_ID_LEN} printable characters, no spaces"
+        )
+    try:
+        gateway_subject(gateway_id)
+    except (ValueError, TypeError) as e:
+        raise InvalidRequestError(f"invalid gateway id: {e}") from None
+
+
 def headers(rid: str, deadline: float | None = None, traceparent: str | None = None) -> dict[str, str]:
     """The NATS headers every kubesgl message carries."""
     out = {HEADER_RID: rid}

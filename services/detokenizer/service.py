@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from kubesgl.nats_conn import close
 from kubesgl.protocol import (
     DETOK,
     DETOKENIZER_QUEUE,
@@ -53,7 +54,7 @@ class DetokenizerService:
         return self.nc.is_connected and self._sub is not None
 
     async def drain(self, timeout_s: float) -> None:
-        await self.nc.drain()
+        await close(self.nc)  # finishes the deltas already received, then closes
 
     async def _on_delta(self, msg: Msg) -> None:
         with self.metrics.requests.track() as status:

@@ -17,8 +17,9 @@ from collections.abc import Callable
 
 import nats.errors
 from kubesgl.engine.types import EngineStats, ModelInfo, RequestOutput
-from kubesgl.errors import DeadlineExceededError, KubesglError, ServiceUnavailableError
+from kubesgl.errors import DeadlineExceededError, InvalidRequestError, KubesglError, ServiceUnavailableError
 from kubesgl.lifecycle import TaskGroup
+from kubesgl.nats_conn import close
 from kubesgl.protocol import (
     ABORT,
     DETOK,
@@ -35,6 +36,7 @@ from kubesgl.protocol import (
     SchedulerStats,
     TextDelta,
     TokenDelta,
+    check_ids,
     decode,
     gateway_subject,
     generate_subject,
@@ -86,6 +88,7 @@ class SchedulerService:
         self._streams: dict[str, RequestStream] = {}
         self._admissions: dict[str, asyncio.Future[KubesglError | None]] = {}
         self._recent: OrderedDict[str, int] = OrderedDict()  # rid -> prompt_tokens
+        self._aborted: OrderedDict[str, None] = OrderedDict()  # aborts of rids not (yet) seen here
         self._pumps: dict[str, asyncio.Task[None]] = {}
         self._tasks = TaskGroup()
         self._subs: list[Subscription] = []
@@ -143,8 +146,7 @@ class SchedulerService:
         await self._tasks.wait(2.0)
         for task in list(self._pumps.values()):
             task.cancel()
-        if not self.nc.is_closed:
-            await self.nc.drain()
+        await close(self.nc)
 
     # -- admission --------------------------------------------------------------------------------
     async def _on_generate(self, msg: Msg) -> None:
@@ -172,6 +174,9 @@ class SchedulerService:
             return admitted
         if req.rid in self._streams or req.rid in self._recent:
             return admitted
+        check_ids(req.rid, req.gateway_id)
+        if req.rid in self._aborted:
+            raise InvalidRequestError(f"request {req.rid} was aborted before it was admitted")
         if self._draining:
             raise ServiceUnavailableError(f"scheduler instance {self.instance_id} is draining")
         if not self._loaded.is_set():
@@ -221,6 +226,11 @@ class SchedulerService:
             stream.abandoned = True
             self._remember(stream)
             self._engine.submit(AbortRequest(abort.rid))
+        elif abort.rid not in self._recent:
+            # The abort overtook its own admission (client gone right after sending): refuse it when it comes.
+            self._aborted[abort.rid] = None
+            while len(self._aborted) > _RECENT_RIDS:
+                self._aborted.popitem(last=False)
 
     async def _on_stats(self, msg: Msg) -> None:
         self._tasks.spawn(self._reply_stats(msg))
@@ -337,8 +347,11 @@ class SchedulerService:
     async def _heartbeats(self) -> None:
         await self._loaded.wait()
         while True:
-            await self._publish_heartbeat()
-            self._expire_deadlines()
+            try:
+                await self._publish_heartbeat()
+                self._expire_deadlines()
+            except Exception:  # a heartbeat missed is survivable; a heartbeat loop that died is not
+                log.exception("heartbeat failed")
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
 
     async def _publish_heartbeat(self) -> None:
