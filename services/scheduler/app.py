@@ -49,6 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cuda-graph-max-bs", type=int, default=d.cuda_graph_max_bs, help="0 disables")
     parser.add_argument("--disable-overlap", action="store_true", help="no overlap scheduling")
     parser.add_argument("--seed", type=int, default=d.seed, help="sampling seed for unseeded requests")
+    parser.add_argument(
+        "--detok-timeout", type=float, default=1.0, help="seconds before an unacked TokenDelta is sent again"
+    )
     add_service_arguments(parser, drain_timeout_s=30.0)
 
 
@@ -109,6 +112,7 @@ def main(args: argparse.Namespace) -> int:
             args.max_queued_requests,
             make_loop,
             stop,
+            detok_timeout_s=args.detok_timeout,
         )
 
     try:
