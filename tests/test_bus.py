@@ -10,6 +10,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 
+import psutil
 import pytest
 from bus_client import BusClient, Stream
 from conftest import StackFactory
@@ -277,12 +278,14 @@ async def test_services_survive_a_nats_restart(client: BusClient, mesh: Stack) -
     assert len(stream.token_ids) == GREEDY.max_tokens
 
 
-async def test_sigterm_drains_a_scheduler_while_another_serves(
+async def test_sigterm_drains_a_tp2_scheduler_while_another_serves(
     client: BusClient, mesh: Stack, tokenizer: ModelTokenizer
 ) -> None:
-    draining = mesh.spawn("scheduler", extra_args=("--drain-timeout", "8"))
-    mesh.wait_ready(120, [draining.name])
+    draining = mesh.spawn("scheduler", extra_args=("--drain-timeout", "8", "--tp", "2"))
+    mesh.wait_ready(180, [draining.name])
     assert draining.instance_id is not None
+    ranks = psutil.Process(draining.proc.pid).children(recursive=True)
+    assert any("spawn_main" in " ".join(r.cmdline()) for r in ranks)  # rank 1 runs in its own process
     ids = tokenizer.encode(PROMPTS[0])
 
     async def generate_on(instance: str, rid: str, params: SamplingParams) -> p.Admitted | p.ErrorReply:
@@ -315,4 +318,6 @@ async def test_sigterm_drains_a_scheduler_while_another_serves(
     assert cut.last.error["status"] == 503
     assert "shut down before the request finished" in cut.last.error["message"]
     assert await asyncio.to_thread(draining.proc.wait, 30) == 0
+    _, alive = psutil.wait_procs(ranks, timeout=10)
+    assert alive == []  # the TP rank stopped with its scheduler
     assert len((await client.result(elsewhere.rid)).token_ids) == GREEDY.max_tokens
