@@ -165,3 +165,42 @@ def test_malformed_json_is_a_400() -> None:
         ChatCompletionRequest.model_validate_json(b'{"model": ')
     err = error_from_validation(info.value.errors())
     assert err.status == 400 and "malformed JSON" in err.message
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (
+            '{"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": Infinity}',
+            "temperature",
+        ),
+        ('{"model": "m", "messages": [{"role": "user", "content": "x"}], "top_p": NaN}', "top_p"),
+        (
+            '{"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 99999999999999999999}',
+            "max_tokens",
+        ),
+        (
+            '{"model": "m", "messages": [{"role": "user", "content": "x"}], "top_k": -99999999999999999999}',
+            "top_k",
+        ),
+        (
+            '{"model": "m", "messages": [{"role": "user", "content": "x"}], "stop_token_ids": [99999999999999999999]}',
+            "stop_token_ids",
+        ),
+        ('{"model": "m", "messages": [{"role": "user", "content": "x", "name": "bob"}]}', "messages.0.name"),
+    ],
+)
+def test_values_the_wire_or_sampler_cannot_carry_are_400(body: str, param: str) -> None:
+    def run() -> None:
+        chat_spec(ChatCompletionRequest.model_validate_json(body))
+
+    assert _param_of_400(run) == param
+
+
+def test_prompt_token_ids_must_fit_64_bits() -> None:
+    with pytest.raises(InvalidRequestError):
+        completion_prompts([2**64])
+
+
+def test_long_stop_strings_are_refused() -> None:
+    assert _param_of_400(_chat, stop=["x" * 257]) == "stop"

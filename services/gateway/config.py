@@ -63,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-concurrent-per-key",
         type=int,
         default=0,
-        help="concurrent requests per API key before 429 (0 = unlimited)",
+        help="concurrent requests per API key before 429 (0 = unlimited; without API keys one shared limit)",
     )
     parser.add_argument(
         "--tokenize-attempt-timeout",

@@ -9,7 +9,8 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from kubesgl.openai_api.generation_spec import GenerationSpec, chat_spec, completion_spec
+from kubesgl.errors import InvalidRequestError
+from kubesgl.openai_api.generation_spec import MAX_N, GenerationSpec, chat_spec, completion_spec
 from kubesgl.openai_api.prompt_inputs import PromptInput, chat_messages, completion_prompts
 from kubesgl.openai_api.request_models import ChatCompletionRequest, CompletionRequest
 from kubesgl.protocol import TokenizeRequest
@@ -85,6 +86,8 @@ def fan_out(
 ) -> ChoiceGroup:
     """One child per (prompt, sample): choice index p * n + i, rid `<rid>-<index>` when there are several."""
     total = len(prompts) * spec.n
+    if total > MAX_N:
+        raise InvalidRequestError(f"{len(prompts)} prompts x n={spec.n} exceeds {MAX_N} choices", param="n")
     limits = Limits(deadline=base.deadline, inactivity_s=gw.config.inactivity_timeout_s)
     choices = []
     for p, prompt in enumerate(prompts):

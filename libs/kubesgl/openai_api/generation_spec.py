@@ -16,9 +16,11 @@ from kubesgl.openai_api.request_models import (
 )
 from kubesgl.protocol import sampling_to_dict
 
-MAX_N = 128
+MAX_N = 128  # also the cap on choices x prompts of one request
 MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256  # hold-back scans are quadratic in a stop string's length
 MAX_TOP_LOGPROBS = 20
+_INT64 = 2**63  # the wire (msgpack) carries 64-bit integers
 
 
 @dataclass(frozen=True)
@@ -161,17 +163,33 @@ def _stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
     stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
     _reject_if(len(stops) > MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} stop strings")
     _reject_if(any(not s for s in stops), "stop", "stop strings must not be empty")
+    _reject_if(
+        any(len(s) > MAX_STOP_CHARS for s in stops),
+        "stop",
+        f"stop strings are at most {MAX_STOP_CHARS} chars",
+    )
     return stops
 
 
 def _validate(params: SamplingParams, rename: dict[str, str]) -> None:
     """SamplingParams.validate, with its error naming the field as the client spelled it."""
+    for name in ("max_tokens", "top_k", "seed"):
+        value = getattr(params, name)
+        _reject_if(
+            value is not None and not -_INT64 <= value < _INT64,
+            rename.get(name, name),
+            f"{rename.get(name, name)} is out of range",
+        )
+    _reject_if(
+        any(not 0 <= t < _INT64 for t in params.stop_token_ids),
+        "stop_token_ids",
+        "token ids must be >= 0 and 64-bit",
+    )
     try:
         params.validate()
     except InvalidRequestError as err:
         param = rename.get(err.param or "", err.param)
         raise InvalidRequestError(err.message.replace(err.param or "", param or "", 1), param=param) from None
-    _reject_if(any(t < 0 for t in params.stop_token_ids), "stop_token_ids", "token ids must be >= 0")
 
 
 def _reject_if(bad: bool, param: str, message: str) -> None:

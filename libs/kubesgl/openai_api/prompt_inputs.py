@@ -53,6 +53,6 @@ def native_prompt(text: str | None, input_ids: list[int] | None) -> PromptInput:
 def _token_ids(ids: list[int]) -> tuple[int, ...]:
     if not ids:
         raise InvalidRequestError("a token-id prompt must not be empty", param="prompt")
-    if any(i < 0 for i in ids):
-        raise InvalidRequestError("token ids must be >= 0", param="prompt")
+    if any(not 0 <= i < 2**63 for i in ids):
+        raise InvalidRequestError("token ids must be >= 0 and 64-bit", param="prompt")
     return tuple(ids)
