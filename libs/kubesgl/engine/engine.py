@@ -26,6 +26,7 @@ from kubesgl.engine.scheduler import Scheduler, SchedulerLimits
 from kubesgl.engine.step_profile import StepProfile
 from kubesgl.engine.types import EngineStats, ModelInfo, RequestOutput
 from kubesgl.errors import InvalidRequestError
+from kubesgl.kv.kv_events import KVEvents
 from kubesgl.kv.page_pool import PagePool
 from kubesgl.kv.prefix_cache import NaiveCache, PrefixCache
 from kubesgl.kv.radix import RadixCache
@@ -120,8 +121,9 @@ class Engine:
             raise
         r = self.runner
         self.pool = PagePool(r.num_pages, config.page_size)
+        self.kv_events = KVEvents(config.kv_event_block_size) if config.kv_event_block_size > 0 else None
         cache: PrefixCache = (
-            RadixCache(config.page_size, self.pool)
+            RadixCache(config.page_size, self.pool, self.kv_events)
             if config.cache == "radix"
             else NaiveCache(config.page_size, self.pool)
         )
@@ -203,6 +205,10 @@ class Engine:
                 b.device += ev[0].elapsed_time(ev[1]) / 1e3 if ev is not None else 0.0
         outputs += self.scheduler.drain_finished()
         return outputs
+
+    def drain_kv_events(self) -> tuple[list[int], list[int]]:
+        """Block hashes the prefix cache stored and removed since the last call (empty when events are off)."""
+        return self.kv_events.drain() if self.kv_events is not None else ([], [])
 
     def stats(self) -> EngineStats:
         s = self.scheduler

@@ -11,6 +11,7 @@ import heapq
 import itertools
 import time
 
+from kubesgl.kv.kv_events import KVEvents
 from kubesgl.kv.page_pool import PagePool
 
 
@@ -27,9 +28,10 @@ class _Node:
 
 
 class RadixCache:
-    def __init__(self, page_size: int, pool: PagePool) -> None:
+    def __init__(self, page_size: int, pool: PagePool, events: KVEvents | None = None) -> None:
         self.page_size = page_size
         self.pool = pool
+        self.events = events  # when set, records the blocks this cache gains and loses (cache-aware routing)
         self.root = _Node([], [], None)
         self.root.ref = 1  # the root is never evicted
         self._cached = 0
@@ -114,6 +116,8 @@ class RadixCache:
             leaf = _Node(tokens[at:], pages[len(canon) : n_full], node)
             node.children[self._edge(leaf.key, 0)] = leaf
             self._cached += len(leaf.pages)
+            if self.events is not None:
+                self.events.on_range(tokens, at, len(tokens), stored=True)
             canon = canon + leaf.pages
             node = leaf
         self._lock(node, +1)
@@ -136,10 +140,20 @@ class RadixCache:
             del parent.children[self._edge(leaf.key, 0)]
             self.pool.free(leaf.pages)
             freed += len(leaf.pages)
+            if self.events is not None:
+                prefix = self._path_tokens(leaf)
+                self.events.on_range(prefix, len(prefix) - len(leaf.key), len(prefix), stored=False)
             self._cached -= len(leaf.pages)
             if parent is not self.root and not parent.children and parent.ref == 0:
                 heapq.heappush(heap, (parent.last_access, next(self._tick), parent))
         return freed
+
+    def _path_tokens(self, node: _Node) -> list[int]:
+        keys = []
+        while node is not None and node is not self.root:
+            keys.append(node.key)
+            node = node.parent
+        return [t for key in reversed(keys) for t in key]
 
     def _leaves(self) -> list[_Node]:
         out, stack = [], [self.root]

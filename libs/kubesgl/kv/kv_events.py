@@ -1,0 +1,48 @@
+"""KV events: which prefix blocks a prefix cache holds, named by a deterministic hash a router can recompute.
+
+A block is `block_size` consecutive tokens at a block-aligned offset; its hash chains the previous block's hash
+with its own token ids (blake2b, 64 bits), so equal hashes mean equal whole prefixes. Python's hash() is salted
+per process and would differ between pods; this one is the same everywhere.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass, field
+
+
+def block_hashes(tokens: list[int], block_size: int, start_block: int = 0, parent: int = 0) -> list[int]:
+    """Chained hashes of the full blocks of `tokens`, from block `start_block` (whose parent hash is `parent`)."""
+    out, h = [], parent
+    for j in range(start_block, len(tokens) // block_size):
+        block = tokens[j * block_size : (j + 1) * block_size]
+        digest = hashlib.blake2b(struct.pack(f"<q{len(block)}q", h, *block), digest_size=8).digest()
+        h = int.from_bytes(digest, "little", signed=True)
+        out.append(h)
+    return out
+
+
+@dataclass
+class KVEvents:
+    """Blocks stored and removed since the last drain (a block both stored and removed cancels out)."""
+
+    block_size: int
+    stored: list[int] = field(default_factory=list)
+    removed: list[int] = field(default_factory=list)
+
+    def on_range(self, prefix: list[int], lo: int, hi: int, *, stored: bool) -> None:
+        """Tokens prefix[lo:hi] became cached (or stopped being): report the blocks that end inside (lo, hi]."""
+        b = self.block_size
+        first, last = lo // b, hi // b  # blocks first..last-1 end in (lo, hi]
+        if last <= first:
+            return
+        parent = block_hashes(prefix[: first * b], b)[-1] if first else 0
+        hashes = block_hashes(prefix[: last * b], b, start_block=first, parent=parent)
+        (self.stored if stored else self.removed).extend(hashes)
+
+    def drain(self) -> tuple[list[int], list[int]]:
+        stored, removed = self.stored, self.removed
+        self.stored, self.removed = [], []
+        gone = set(removed)
+        return [h for h in stored if h not in gone], [h for h in removed if h not in set(stored)]
