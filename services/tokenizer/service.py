@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import nats.errors
 from kubesgl.errors import (
@@ -84,6 +85,9 @@ class TokenizerService:
         self._tasks = TaskGroup()
         self._subs: list[Subscription] = []
         self._started = time.monotonic()
+        # One thread: keeps the event loop free during long prompts, and HF tokenizers are not safe to call
+        # concurrently ("Already borrowed"); replicas, not threads, scale tokenization.
+        self._tokenize_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
 
     async def start(self) -> None:
         self._subs = [
@@ -103,6 +107,7 @@ class TokenizerService:
             with contextlib.suppress(Exception):  # a connection that is down has nothing to drain
                 await sub.unsubscribe()
         await self._tasks.wait(timeout_s)
+        self._tokenize_thread.shutdown(wait=False)
         await close(self.nc)
 
     async def _on_heartbeat(self, msg: Msg) -> None:
@@ -142,7 +147,8 @@ class TokenizerService:
         open_ended = sampling.get("max_tokens") is None
         sampling_from_dict({**sampling, "max_tokens": 1} if open_ended else sampling)  # validates
         start = time.perf_counter()
-        ids = await asyncio.to_thread(prompt_ids, req, self.tokenizer)
+        loop = asyncio.get_running_loop()
+        ids = await loop.run_in_executor(self._tokenize_thread, prompt_ids, req, self.tokenizer)
         self.metrics.on_tokenized(time.perf_counter() - start, len(ids))
         candidates = self.registry.candidates(self.model)
         if not candidates:
