@@ -25,17 +25,22 @@ def nats_server_binary() -> str:
 
 
 class NatsServer:
-    """One nats-server with JetStream on 127.0.0.1; port 0 picks a free one (kept across restart())."""
+    """One nats-server with JetStream on 127.0.0.1; port 0 picks a free one (kept across restart()).
+    `args` are extra server flags (e.g. `--user u --pass p`, `--tls ...`)."""
 
-    def __init__(self, workdir: str | Path, port: int = 0, host: str = "127.0.0.1") -> None:
+    def __init__(
+        self, workdir: str | Path, port: int = 0, host: str = "127.0.0.1", args: tuple[str, ...] = ()
+    ) -> None:
         self.workdir = Path(workdir)
         self.host = host
         self.port = port
+        self.args = args
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"nats://{self.host}:{self.port}"
+        scheme = "tls" if "--tls" in self.args else "nats"
+        return f"{scheme}://{self.host}:{self.port}"
 
     def start(self, timeout_s: float = 10.0) -> str:
         """Starts the server and returns its URL once it accepts clients."""
@@ -44,7 +49,7 @@ class NatsServer:
         for stale in ports_dir.glob("*.ports"):
             stale.unlink()
         cmd = [nats_server_binary(), "-js", "-a", self.host, "-p", str(self.port or -1)]
-        cmd += ["-sd", str(self.workdir / "jetstream"), "--ports_file_dir", str(ports_dir)]
+        cmd += ["-sd", str(self.workdir / "jetstream"), "--ports_file_dir", str(ports_dir), *self.args]
         log = open(self.workdir / "nats-server.log", "ab")  # noqa: SIM115 - owned by the child
         self.proc = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=parent_death_signal
@@ -59,7 +64,7 @@ class NatsServer:
                     ports = json.loads(file.read_text())
                 except ValueError:
                     continue
-                self.port = int(ports["nats"][0].rsplit(":", 1)[1])
+                self.port = int(next(iter(ports.values()))[0].rsplit(":", 1)[1])
                 return self.url
             time.sleep(0.02)
         self.stop()
