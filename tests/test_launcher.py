@@ -45,12 +45,16 @@ def _wait_for(lines: queue.Queue[str], needle: str, timeout_s: float) -> str:
             return line
 
 
-def test_up_serves_the_demo_model_and_ctrl_c_leaves_no_process(demo_model_dir: str) -> None:
-    port = free_port()
+def _up(demo_model_dir: str, port: int, *args: str) -> subprocess.Popen[str]:
     env = {**os.environ, "KUBESGL_CACHE": str(Path(demo_model_dir).parent), "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "kubesgl.cli", "up", "--model", "demo", "--port", str(port)]
-    cmd += ["--device", "cpu", "--scheduler-args", "--num-pages 4096"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    cmd += ["--device", "cpu", "--scheduler-args", "--num-pages 4096", *args]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def test_up_serves_the_demo_model_and_ctrl_c_leaves_no_process(demo_model_dir: str) -> None:
+    port = free_port()
+    proc = _up(demo_model_dir, port)
     try:
         lines = _lines(proc)
         banner = _wait_for(lines, "serving `demo` at", 240)
@@ -74,3 +78,29 @@ def test_up_serves_the_demo_model_and_ctrl_c_leaves_no_process(demo_model_dir: s
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_up_takes_the_stack_down_when_a_service_dies(demo_model_dir: str) -> None:
+    proc = _up(demo_model_dir, free_port(), "--gateways", "0")
+    try:
+        _wait_for(_lines(proc), "serving `demo`", 240)
+        children = psutil.Process(proc.pid).children(recursive=True)
+        scheduler = next(c for c in children if "scheduler" in c.cmdline())
+        scheduler.kill()
+        assert proc.wait(90) == 1
+        _, alive = psutil.wait_procs(children, timeout=10)
+        assert alive == [], f"orphans: {[p.cmdline() for p in alive]}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_up_refuses_a_directory_that_is_not_a_model(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "kubesgl.cli", "up", "--model", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode != 0 and "is not a model directory (no config.json)" in out.stderr

@@ -251,7 +251,8 @@ def main(args: argparse.Namespace) -> int:
         code = _wait_ready(stack, args.ready_timeout, stopping)
         if code == 0 and not stopping:
             urls = ", ".join(f"{u}/v1" for u in stack.gateway_urls)
-            print(f"kubesgl: serving `{name}` at {urls}  (NATS {stack.nats_url}; Ctrl-C to stop)", flush=True)
+            where = f"at {urls} (NATS {stack.nats_url}" if urls else f"on NATS {stack.nats_url} (no gateway"
+            print(f"kubesgl: serving `{name}` {where}; Ctrl-C to stop)", flush=True)
             code = _supervise(stack, stopping)
     finally:
         print("kubesgl: shutting down", flush=True)
