@@ -263,6 +263,12 @@ async def test_killing_a_tokenizer_loses_no_request(
 
 
 async def test_services_survive_a_nats_restart(client: BusClient, mesh: Stack) -> None:
+    live = [s.name for s in mesh.services.values() if s.proc.poll() is None]
+
+    def reconnects() -> dict[str, float]:
+        return {name: _metric(mesh, name, "kubesgl_nats_reconnects_total") for name in live}
+
+    before = reconnects()
     mesh.nats.restart()
     end = time.monotonic() + 30
     while True:
@@ -276,6 +282,10 @@ async def test_services_survive_a_nats_restart(client: BusClient, mesh: Stack) -
         await asyncio.sleep(0.2)
     stream = await client.result(reply.rid)
     assert len(stream.token_ids) == GREEDY.max_tokens
+    end = time.monotonic() + 10  # replicas that served nothing may still be in their reconnect backoff
+    while not all((after := reconnects())[name] > before[name] for name in live):
+        assert time.monotonic() < end, (before, after)
+        await asyncio.sleep(0.2)
 
 
 async def test_sigterm_drains_a_tp2_scheduler_while_another_serves(

@@ -26,6 +26,10 @@ class BusService(Protocol):
 
     def ready(self) -> bool: ...
 
+    def nats_reconnected(self) -> None:
+        """Called after each NATS reconnect (metrics)."""
+        ...
+
     async def drain(self, timeout_s: float) -> None:
         """Stop taking work, finish what was accepted within `timeout_s`, close the NATS connection."""
         ...
@@ -74,7 +78,12 @@ async def _serve(
     await admin.start()
     try:
         # Connecting retries forever (NATS may come up after us); a stop signal meanwhile ends the process.
-        connecting = asyncio.create_task(connect(NatsSettings.from_env(args.nats_url), name))
+        def reconnected() -> None:
+            if service is not None:
+                service.nats_reconnected()
+
+        settings = NatsSettings.from_env(args.nats_url)
+        connecting = asyncio.create_task(connect(settings, name, on_reconnect=reconnected))
         stopping = asyncio.create_task(stop.wait())
         await asyncio.wait({connecting, stopping}, return_when=asyncio.FIRST_COMPLETED)
         if not connecting.done():

@@ -11,6 +11,7 @@ import logging
 import os
 import random
 import ssl
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,8 +69,11 @@ def add_nats_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-async def connect(settings: NatsSettings, name: str) -> Client:
-    """A connected client that logs disconnects/reconnects and keeps reconnecting until closed."""
+async def connect(
+    settings: NatsSettings, name: str, on_reconnect: Callable[[], None] | None = None
+) -> Client:
+    """A connected client that logs disconnects/reconnects and keeps reconnecting until closed;
+    `on_reconnect` is called after each reconnect (e.g. to count it in metrics)."""
 
     async def on_error(e: Exception) -> None:
         log.warning("nats %s: %s: %s", name, type(e).__name__, e)
@@ -78,8 +82,10 @@ async def connect(settings: NatsSettings, name: str) -> Client:
         if not (nc.is_closed or nc.is_draining or nc.is_draining_pubs):  # a drain also ends in a disconnect
             log.warning("nats %s: disconnected; reconnecting", name)
 
-    async def on_reconnect() -> None:
+    async def on_reconnected() -> None:
         log.info("nats %s: reconnected to %s", name, _netloc(nc))
+        if on_reconnect is not None:
+            on_reconnect()
 
     async def on_closed() -> None:
         log.info("nats %s: connection closed", name)
@@ -90,7 +96,7 @@ async def connect(settings: NatsSettings, name: str) -> Client:
         "name": name,
         "error_cb": on_error,
         "disconnected_cb": on_disconnect,
-        "reconnected_cb": on_reconnect,
+        "reconnected_cb": on_reconnected,
         "closed_cb": on_closed,
         "allow_reconnect": True,
         "max_reconnect_attempts": -1,

@@ -50,6 +50,9 @@ class DetokenizerService:
         # Handled in arrival order on one subscription: decoding is microseconds and publish only buffers.
         self._sub = await self.nc.subscribe(DETOK, queue=DETOKENIZER_QUEUE, cb=self._on_delta)
 
+    def nats_reconnected(self) -> None:
+        self.metrics.nats.on_reconnect()
+
     def ready(self) -> bool:
         return self.nc.is_connected and self._sub is not None
 

@@ -120,6 +120,10 @@ class SchedulerService:
         ]
         self._heartbeat_task = self._loop.create_task(self._heartbeats())
 
+    def nats_reconnected(self) -> None:
+        if self._engine.telemetry is not None:  # the scheduler's metrics exist once the model is loaded
+            self.telemetry.metrics.nats.on_reconnect()
+
     def ready(self) -> bool:
         return self.nc.is_connected and self._heartbeat_sent and not self._draining
 

@@ -95,6 +95,9 @@ class TokenizerService:
             await self.nc.subscribe(TOKENIZE, queue=TOKENIZER_QUEUE, cb=self._on_tokenize),
         ]
 
+    def nats_reconnected(self) -> None:
+        self.metrics.nats.on_reconnect()
+
     def ready(self) -> bool:
         # Ready once it can route (heard a scheduler), or after the heartbeat expiry window regardless, so a
         # rollout of tokenizers never waits on schedulers.
