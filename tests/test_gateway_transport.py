@@ -24,9 +24,11 @@ from kubesgl.protocol import (
     Admitted,
     ErrorReply,
     Heartbeat,
+    SchedulerStats,
     TextDelta,
     TokenizeRequest,
     gateway_subject,
+    stats_subject,
 )
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -35,13 +37,18 @@ MODEL = "fake-model"
 
 
 @pytest.fixture(scope="module")
-def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def nats_srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
     server = NatsServer(tmp_path_factory.mktemp("nats"))
     server.start()
     try:
-        yield server.url
+        yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def nats_url(nats_srv: NatsServer) -> str:
+    return nats_srv.url
 
 
 def _gateway(nats_url: str, tmp: Path, *args: str) -> Iterator[GatewayProcess]:
@@ -74,12 +81,14 @@ class FakeMeshForGatewayTest:
         self.before_reply: Callable[[TokenizeRequest], Awaitable[None]] | None = None
         self.requests: list[TokenizeRequest] = []
         self.aborts: list[Abort] = []
+        self.active: set[str] = set()  # rids the fake scheduler reports as running
         self.heartbeating = True
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
         await self.nc.subscribe(TOKENIZE, queue=TOKENIZER_QUEUE, cb=self._on_tokenize)
         await self.nc.subscribe(ABORT, cb=self._on_abort)
+        await self.nc.subscribe(stats_subject(self.instance), cb=self._on_stats)
         self._tasks.append(asyncio.create_task(self._heartbeat()))
 
     async def stop(self) -> None:
@@ -106,12 +115,17 @@ class FakeMeshForGatewayTest:
             await self.before_reply(req)
         await msg.respond(reply.to_bytes())
         if isinstance(reply, Admitted):
+            self.active.add(req.rid)
             self._tasks.append(asyncio.create_task(self._play(req)))
 
     async def _play(self, req: TokenizeRequest) -> None:
         for delta in self.plan(req):
             await self.nc.publish(gateway_subject(req.gateway_id), delta.to_bytes())
             await asyncio.sleep(0.01)
+
+    async def _on_stats(self, msg: Msg) -> None:
+        stats = SchedulerStats(self.instance, len(self.active), 0, 100, 100, 100, 0, sorted(self.active))
+        await msg.respond(stats.to_bytes())
 
     async def _on_abort(self, msg: Msg) -> None:
         self.aborts.append(Abort.from_bytes(msg.data))
@@ -378,6 +392,55 @@ async def test_logprobs_are_passed_through_in_openai_shape(gateway, mesh) -> Non
     assert content[0]["token"] == "hi" and content[0]["top_logprobs"][0]["logprob"] == -0.5
     assert cmpl["choices"][0]["logprobs"]["token_logprobs"] == [-0.5]
     assert mesh.requests[-1].sampling["top_logprobs"] == 1
+
+
+async def test_output_lost_across_a_nats_restart_ends_with_a_clear_error(gateway, nats_srv) -> None:
+    mesh = await _mesh_for(gateway, nats_srv.url, instance="sched-restart")
+    mesh.plan = lambda req: [_delta(req.rid, mesh.instance, 0, "before")]
+    try:
+        async with (
+            httpx.AsyncClient(base_url=gateway.url, timeout=60) as client,
+            client.stream("POST", "/v1/chat/completions", json=_chat(stream=True)) as s,
+        ):
+            lines = s.aiter_lines()
+            async for line in lines:
+                if "before" in line:
+                    break
+            # The scheduler finishes the request while NATS is down: its last delta never reaches us.
+            mesh.active.clear()
+            started = time.monotonic()
+            nats_srv.restart()  # from this thread: the server dies with the thread that started it
+            rest = [x for x in [line async for line in lines] if x.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]"
+        error = json.loads(rest[-2][6:])["error"]
+        assert "lost while NATS reconnected" in error["message"] and error["type"] == "service_unavailable"
+        assert time.monotonic() - started < 20
+    finally:
+        await mesh.stop()
+
+
+async def test_a_request_still_running_survives_a_nats_restart(gateway, nats_srv) -> None:
+    mesh = await _mesh_for(gateway, nats_srv.url, instance="sched-survives")
+    mesh.plan = lambda req: [_delta(req.rid, mesh.instance, 0, "before")]
+    try:
+        async with (
+            httpx.AsyncClient(base_url=gateway.url, timeout=60) as client,
+            client.stream("POST", "/v1/chat/completions", json=_chat(stream=True)) as s,
+        ):
+            lines = s.aiter_lines()
+            async for line in lines:
+                if "before" in line:
+                    break
+            nats_srv.restart()
+            rid = mesh.requests[-1].rid
+            await asyncio.sleep(5)  # past the gateway's post-reconnect audit, which must keep this request
+            final = _delta(rid, mesh.instance, 1, " after", finished=True)
+            await mesh.nc.publish(gateway_subject(mesh.requests[-1].gateway_id), final.to_bytes())
+            rest = [json.loads(x[6:]) for x in [line async for line in lines] if x.startswith("data: {")]
+        assert "".join(c["choices"][0]["delta"].get("content", "") for c in rest) == " after"
+        assert rest[-1]["choices"][0]["finish_reason"] == "length"
+    finally:
+        await mesh.stop()
 
 
 async def test_no_scheduler_means_503_with_retry_after_and_not_ready(gateway) -> None:

@@ -7,6 +7,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import defaultdict
+from collections.abc import Coroutine
+from typing import Any
 
 import nats.errors
 from kubesgl.errors import DeadlineExceededError, ServiceUnavailableError
@@ -19,11 +22,13 @@ from kubesgl.protocol import (
     ErrorReply,
     Heartbeat,
     ProtocolError,
+    SchedulerStats,
     TextDelta,
     TokenizeRequest,
     decode,
     gateway_subject,
     headers,
+    stats_subject,
 )
 from kubesgl.routing import SchedulerRegistry
 from kubesgl.services.gateway.request_stream import RequestStream
@@ -33,6 +38,12 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 log = logging.getLogger("kubesgl.gateway")
+
+# After a reconnect: let resent deltas arrive before asking schedulers which requests they still run.
+_AUDIT_DELAY_S = 2.0
+# A request its scheduler no longer runs may still have its last delta in flight: wait this long for it.
+_AUDIT_GRACE_S = 1.0
+_AUDIT_ATTEMPTS = 5
 
 
 class GatewayBus:
@@ -70,7 +81,9 @@ class GatewayBus:
         for sub in self._subs:
             await sub.unsubscribe()
         if self._tasks:
-            await asyncio.wait(self._tasks, timeout=2.0)
+            _, pending = await asyncio.wait(self._tasks, timeout=2.0)
+            for task in pending:
+                task.cancel()
 
     @property
     def connected(self) -> bool:
@@ -96,8 +109,10 @@ class GatewayBus:
             self.abort(stream.rid, None)
 
     def abort(self, rid: str, instance_id: str | None) -> None:
-        msg = Abort(rid=rid, instance_id=instance_id).to_bytes()
-        task = asyncio.get_running_loop().create_task(self._publish(ABORT, msg, rid))
+        self._spawn(self._publish(ABORT, Abort(rid=rid, instance_id=instance_id).to_bytes(), rid))
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -135,12 +150,48 @@ class GatewayBus:
 
     async def _watch_connection(self) -> None:
         # Heartbeats missed while we were disconnected say nothing about the schedulers: restart the clock.
-        was_connected = True
+        # Watched through nats-py's reconnect count: a reconnect quicker than the poll interval still counts.
+        seen = self.nc.stats["reconnects"]
         while True:
             await asyncio.sleep(0.25)
-            if self.connected and not was_connected:
+            if self.nc.stats["reconnects"] != seen and self.connected:
+                seen = self.nc.stats["reconnects"]
                 self._connected_since = time.monotonic()
-            was_connected = self.connected
+                self._spawn(self._audit_after_reconnect())
+
+    async def _audit_after_reconnect(self) -> None:
+        """TextDeltas published while this gateway was disconnected are lost. A request whose scheduler no
+        longer runs it would then wait out its timeouts: end it now with a clear error instead."""
+        await asyncio.sleep(_AUDIT_DELAY_S)
+        by_instance: dict[str, list[RequestStream]] = defaultdict(list)
+        for stream in self._streams.values():
+            if stream.instance_id is not None:
+                by_instance[stream.instance_id].append(stream)
+        for instance, streams in by_instance.items():
+            active = await self._active_rids(instance)
+            if active is None:
+                continue  # unreachable: if it is gone, its missing heartbeats fail its requests
+            lost = [s for s in streams if s.rid not in active]
+            if lost:
+                await asyncio.sleep(_AUDIT_GRACE_S)
+            for stream in lost:
+                if self._streams.get(stream.rid) is stream:
+                    log.warning("request %s lost its output while NATS reconnected", stream.rid)
+                    stream.fail(
+                        ServiceUnavailableError("the request's output was lost while NATS reconnected")
+                    )
+
+    async def _active_rids(self, instance: str) -> set[str] | None:
+        """The rids `instance` still runs; None if it does not answer (it may be reconnecting too)."""
+        for _ in range(_AUDIT_ATTEMPTS):
+            try:
+                msg = await self.nc.request(stats_subject(instance), b"", timeout=2.0)
+                return set(SchedulerStats.from_bytes(msg.data).active_rids)
+            except nats.errors.NoRespondersError:
+                await asyncio.sleep(1.0)
+            except (nats.errors.Error, ProtocolError) as e:
+                log.info("cannot audit requests on %s: %s", instance, e)
+        return None
 
     async def _on_delta(self, msg: Msg) -> None:
         try:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 import time
 
-from kubesgl.protocol import TextDelta
+from kubesgl.errors import KubesglError
+from kubesgl.protocol import TextDelta, error_dict
 
 
 class RequestStream:
@@ -41,6 +42,12 @@ class RequestStream:
             self._held.setdefault(delta.instance_id, {}).setdefault(delta.seq, delta)
             self._release()
         return True
+
+    def fail(self, err: KubesglError) -> None:
+        """Ends the request here with `err` (the gateway found its output lost)."""
+        self._ready.put_nowait(
+            TextDelta(rid=self.rid, instance_id="", seq=-1, text="", finished=True, error=error_dict(err))
+        )
 
     def gap_age(self) -> float:
         """Seconds the stream has been stuck on a missing delta while later ones wait (0 when not stuck)."""
