@@ -291,7 +291,9 @@ async def test_services_survive_a_nats_restart(client: BusClient, mesh: Stack) -
 async def test_sigterm_drains_a_tp2_scheduler_while_another_serves(
     client: BusClient, mesh: Stack, tokenizer: ModelTokenizer
 ) -> None:
-    draining = mesh.spawn("scheduler", extra_args=("--drain-timeout", "8", "--tp", "2"))
+    """Also: the instance's queue bound (2 running, 0 queued) refuses a third request with 503."""
+    limits = ("--max-running-requests", "2", "--max-queued-requests", "0")
+    draining = mesh.spawn("scheduler", extra_args=("--drain-timeout", "8", "--tp", "2", *limits))
     mesh.wait_ready(180, [draining.name])
     assert draining.instance_id is not None
     ranks = psutil.Process(draining.proc.pid).children(recursive=True)
@@ -306,11 +308,13 @@ async def test_sigterm_drains_a_tp2_scheduler_while_another_serves(
         return p.decode(msg.data, p.Admitted, p.ErrorReply)
 
     short = await generate_on(
-        draining.instance_id, "drain-short", SamplingParams(max_tokens=8, temperature=0.0)
+        draining.instance_id, "drain-short", SamplingParams(max_tokens=24, temperature=0.0)
     )
     endless_params = SamplingParams(max_tokens=30000, temperature=0.0, ignore_eos=True)
     endless = await generate_on(draining.instance_id, "drain-endless", endless_params)
     assert isinstance(short, p.Admitted) and isinstance(endless, p.Admitted)
+    full = await generate_on(draining.instance_id, "drain-full", GREEDY)  # before "short" can finish
+    assert isinstance(full, p.ErrorReply) and full.status == 503 and "is full" in full.message
     while not client.streams["drain-endless"].deltas:
         await asyncio.sleep(0.01)
     draining.proc.send_signal(signal.SIGTERM)
@@ -323,7 +327,7 @@ async def test_sigterm_drains_a_tp2_scheduler_while_another_serves(
     elsewhere = await client.submit(prompt=PROMPTS[0], params=GREEDY)
     assert isinstance(elsewhere, p.Admitted) and elsewhere.instance_id != draining.instance_id
     done = await client.result("drain-short", 15)
-    assert len(done.token_ids) == 8 and done.last.error is None
+    assert len(done.token_ids) == 24 and done.last.error is None
     cut = await client.result("drain-endless", 15)
     assert cut.last.error["status"] == 503
     assert "shut down before the request finished" in cut.last.error["message"]
