@@ -158,8 +158,16 @@ class Stack:
     def dead(self) -> list[ServiceProcess]:
         return [s for s in self.services.values() if s.proc.poll() is not None]
 
-    def stop(self, timeout_s: float = 30.0) -> None:
-        """Stops services group by group (SIGTERM, wait, SIGKILL stragglers), then nats-server."""
+    def kill(self) -> None:
+        """SIGKILL every service and nats-server now (a second Ctrl-C)."""
+        procs = [s.proc for s in self.services.values()] + ([self.nats.proc] if self.nats.proc else [])
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+
+    def stop(self, timeout_s: float = 40.0) -> None:
+        """Stops services group by group (SIGTERM, wait, SIGKILL stragglers), then nats-server.
+        `timeout_s` per group exceeds the services' default drain grace (30 s)."""
         for kind in STOP_ORDER:
             terminate([s.proc for s in self.services.values() if s.kind == kind], timeout_s)
         self.nats.stop()
@@ -241,6 +249,9 @@ def main(args: argparse.Namespace) -> int:
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
         stopping.append(signum)
+        if len(stopping) == 2:  # impatient: a graceful stop may wait out drain grace periods
+            print("kubesgl: second interrupt: killing every service", file=sys.stderr, flush=True)
+            stack.kill()
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
@@ -252,7 +263,7 @@ def main(args: argparse.Namespace) -> int:
         if code == 0 and not stopping:
             urls = ", ".join(f"{u}/v1" for u in stack.gateway_urls)
             where = f"at {urls} (NATS {stack.nats_url}" if urls else f"on NATS {stack.nats_url} (no gateway"
-            print(f"kubesgl: serving `{name}` {where}; Ctrl-C to stop)", flush=True)
+            print(f"kubesgl: serving `{name}` {where}; Ctrl-C to stop, twice to kill)", flush=True)
             code = _supervise(stack, stopping)
     finally:
         print("kubesgl: shutting down", flush=True)
@@ -278,6 +289,8 @@ def _wait_ready(stack: Stack, timeout_s: float, stopping: list[int]) -> int:
                 print(f"kubesgl: services not ready within {timeout_s:.0f} s", file=sys.stderr)
                 return 1
         except RuntimeError as e:
+            if stopping:  # killed on purpose by a second Ctrl-C
+                return 0
             print(f"kubesgl: {e}", file=sys.stderr)
             return 1
     return 0
