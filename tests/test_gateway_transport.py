@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import nats
 import pytest
-from gateway_helpers import GatewayProcess, wait_http
+from gateway_helpers import GatewayProcess, free_port, wait_http
 from kubesgl.nats_server import NatsServer
 from kubesgl.protocol import (
     ABORT,
@@ -517,3 +517,23 @@ def test_gateway_exits_cleanly_on_sigterm(nats_url: str, tmp_path: Path) -> None
     gw.wait_healthy()
     wait_http(f"{gw.url}/metrics", 5)
     assert gw.stop() == 0, gw.log()
+
+
+async def test_gateway_is_alive_before_nats_and_ready_after(tmp_path: Path) -> None:
+    server = NatsServer(tmp_path / "late-nats", port=free_port())
+    gw = GatewayProcess(server.url, tmp_path)
+    try:
+        gw.wait_healthy()
+        async with httpx.AsyncClient(base_url=gw.url, timeout=10) as client:
+            assert (await client.get("/ready")).status_code == 503
+            early = await client.post("/v1/chat/completions", json=_chat())
+            assert early.status_code == 503 and "connecting to NATS" in early.json()["error"]["message"]
+            server.start()
+            for _ in range(100):
+                if (await client.get("/v1/models")).status_code == 200:
+                    break
+                await asyncio.sleep(0.1)
+            assert (await client.get("/v1/models")).json() == {"object": "list", "data": []}
+    finally:
+        gw.stop()
+        server.stop()

@@ -73,8 +73,7 @@ def build_app(config: GatewayConfig) -> FastAPI:
     metrics = GatewayMetrics(registry)
     tracing = Tracing("kubesgl-gateway")
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    async def start(app: FastAPI) -> Gateway:
         nc = await connect(NatsSettings.from_env(config.nats_url), name=f"gateway-{config.gateway_id}")
         bus = GatewayBus(
             nc, config.gateway_id, SchedulerRegistry(), metrics.nats, config.tokenize_attempt_timeout_s
@@ -82,12 +81,23 @@ def build_app(config: GatewayConfig) -> FastAPI:
         await bus.start()
         app.state.gateway = Gateway(config, bus, metrics, tracing)
         log.info("gateway %s serving on http://%s:%d", config.gateway_id, config.host, config.port)
+        return app.state.gateway
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # Connect in the background: /health answers at once, /ready (and the API) once NATS is reached.
+        starting = asyncio.create_task(start(app))
+        starting.add_done_callback(_log_start_failure)
         try:
             yield
         finally:
-            await bus.stop()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(nc.drain(), 5.0)
+            if starting.done() and not starting.cancelled() and starting.exception() is None:
+                gw = starting.result()
+                await gw.bus.stop()
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(gw.bus.nc.drain(), 5.0)
+            else:
+                starting.cancel()
             tracing.shutdown()
 
     app = FastAPI(title="kubesgl gateway", version=__version__, lifespan=lifespan)
@@ -99,6 +109,11 @@ def build_app(config: GatewayConfig) -> FastAPI:
     app.add_middleware(BodySizeLimit, max_bytes=config.max_body_bytes)
     app.add_middleware(ApiKeyCheck, keys=api_keys)
     return app
+
+
+def _log_start_failure(task: asyncio.Task[Gateway]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("gateway could not start; it stays unready", exc_info=task.exception())
 
 
 def _add_error_handlers(app: FastAPI) -> None:

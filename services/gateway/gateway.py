@@ -17,6 +17,14 @@ from kubesgl.telemetry.tracing import Tracing
 TIMEOUT_HEADER = "x-request-timeout"
 
 
+def gateway_of(request: Request) -> Gateway:
+    """The app's Gateway; 503 while it is still connecting to NATS."""
+    gw: Gateway | None = getattr(request.app.state, "gateway", None)
+    if gw is None:
+        raise ServiceUnavailableError("the gateway is still connecting to NATS; retry shortly")
+    return gw
+
+
 class Gateway:
     def __init__(
         self,

@@ -12,7 +12,7 @@ from kubesgl.openai_api.prompt_inputs import native_prompt
 from kubesgl.openai_api.request_models import NativeGenerateRequest
 from kubesgl.protocol import TokenizeRequest
 from kubesgl.services.gateway.encoders import NativeEncoder
-from kubesgl.services.gateway.gateway import Gateway
+from kubesgl.services.gateway.gateway import Gateway, gateway_of
 from kubesgl.services.gateway.openai_routes import fan_out
 from kubesgl.services.gateway.request_scope import RequestScope
 from kubesgl.services.gateway.responder import respond
@@ -22,7 +22,7 @@ router = APIRouter()
 
 @router.post("/generate", response_model=None)
 async def generate(body: NativeGenerateRequest, request: Request) -> Response:
-    gw: Gateway = request.app.state.gateway
+    gw = gateway_of(request)
     scope = RequestScope(gw, request, "/generate", body.model)
     try:
         model = body.model or _only_model(gw)

@@ -16,7 +16,7 @@ from kubesgl.openai_api.request_models import ChatCompletionRequest, CompletionR
 from kubesgl.protocol import TokenizeRequest
 from kubesgl.services.gateway.choice_group import ChoiceGroup
 from kubesgl.services.gateway.encoders import ChatEncoder, CompletionEncoder
-from kubesgl.services.gateway.gateway import Gateway
+from kubesgl.services.gateway.gateway import Gateway, gateway_of
 from kubesgl.services.gateway.generation import ChoiceGeneration, Limits
 from kubesgl.services.gateway.request_scope import RequestScope
 from kubesgl.services.gateway.responder import respond
@@ -26,7 +26,7 @@ router = APIRouter()
 
 @router.post("/v1/chat/completions", response_model=None)
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-    gw: Gateway = request.app.state.gateway
+    gw = gateway_of(request)
     scope = RequestScope(gw, request, "/v1/chat/completions", body.model)
     try:
         gw.check_model(body.model)
@@ -54,7 +54,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
 
 @router.post("/v1/completions", response_model=None)
 async def completions(body: CompletionRequest, request: Request) -> Response:
-    gw: Gateway = request.app.state.gateway
+    gw = gateway_of(request)
     scope = RequestScope(gw, request, "/v1/completions", body.model)
     try:
         gw.check_model(body.model)

@@ -8,7 +8,7 @@ import time
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from kubesgl.errors import ModelNotFoundError
-from kubesgl.services.gateway.gateway import Gateway
+from kubesgl.services.gateway.gateway import Gateway, gateway_of
 from kubesgl.telemetry.metrics import render
 
 router = APIRouter()
@@ -21,8 +21,8 @@ async def health() -> PlainTextResponse:
 
 @router.get("/ready")
 async def ready(request: Request) -> PlainTextResponse:
-    gw: Gateway = request.app.state.gateway
-    if not gw.bus.connected:
+    gw: Gateway | None = getattr(request.app.state, "gateway", None)
+    if gw is None or not gw.bus.connected:
         return PlainTextResponse("not ready: NATS disconnected\n", status_code=503)
     if not any(not hb.draining for hb in gw.registry.live()):
         return PlainTextResponse("not ready: no live scheduler\n", status_code=503)
@@ -37,14 +37,14 @@ async def metrics(request: Request) -> Response:
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> JSONResponse:
-    gw: Gateway = request.app.state.gateway
+    gw = gateway_of(request)
     models = gw.models()
     return JSONResponse({"object": "list", "data": [_card(m, ctx) for m, ctx in sorted(models.items())]})
 
 
 @router.get("/v1/models/{model:path}")
 async def get_model(model: str, request: Request) -> JSONResponse:
-    gw: Gateway = request.app.state.gateway
+    gw = gateway_of(request)
     models = gw.models()
     if model not in models:
         raise ModelNotFoundError(f"The model '{model}' does not exist", param="model")
