@@ -87,7 +87,7 @@ async def test_streamed_text_equals_offline_greedy_output(
     streams = await asyncio.gather(*(client.generate(prompt=pr, params=GREEDY) for pr in PROMPTS))
     for stream, want in zip(streams, expected, strict=True):
         assert stream.token_ids == want["token_ids"]
-        assert stream.text == tokenizer.decode(want["token_ids"])
+        assert stream.text == want["text"] == tokenizer.decode(want["token_ids"])
         last = stream.last
         assert (last.finish_reason, last.completion_tokens) == (want["finish_reason"], len(want["token_ids"]))
         assert last.prompt_tokens == want["prompt_tokens"]
