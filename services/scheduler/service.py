@@ -3,7 +3,7 @@ deadlines and drain. The engine runs on its own thread (engine_loop.py); this si
 
 Admission replies only after engine.add_request succeeded, so an Admitted means the engine has the request.
 A known rid is acknowledged again (the tokenizer and gateway retry with the same rid). Deltas go to the
-detokenizer queue group as requests and are retried until acked (at-least-once; the gateway drops
+detokenizer queue group as requests and are retried until acked (delivery.py: at-least-once; the gateway drops
 duplicates by seq); per request one delta is in flight at a time, and tokens produced meanwhile are batched.
 """
 
@@ -22,12 +22,10 @@ from kubesgl.lifecycle import TaskGroup
 from kubesgl.nats_conn import close
 from kubesgl.protocol import (
     ABORT,
-    DETOK,
     HEADER_RID,
     HEARTBEAT,
     HEARTBEAT_INTERVAL_S,
     Abort,
-    Ack,
     Admitted,
     ErrorReply,
     GenerateRequest,
@@ -35,15 +33,14 @@ from kubesgl.protocol import (
     ProtocolError,
     SchedulerStats,
     TextDelta,
-    TokenDelta,
     check_ids,
-    decode,
     gateway_subject,
     generate_subject,
     headers,
     sampling_from_dict,
     stats_subject,
 )
+from kubesgl.services.scheduler.delivery import deliver
 from kubesgl.services.scheduler.engine_loop import AbortRequest, AddRequest, EngineLoop, QueryStats
 from kubesgl.services.scheduler.streams import RequestStream
 from kubesgl.telemetry.scheduler import SchedulerTelemetry
@@ -274,7 +271,15 @@ class SchedulerService:
         """Delivers the stream's deltas one at a time until it has nothing more to send right now."""
         try:
             while (delta := stream.next_delta(self.instance_id)) is not None:
-                if not await self._deliver(delta, stream.deadline, stream.traceparent):
+                delivered = await deliver(
+                    self.nc,
+                    delta,
+                    headers(delta.rid, stream.deadline, stream.traceparent),
+                    self.telemetry.metrics.nats,
+                    self.detok_timeout_s,
+                    self.delivery_give_up_s,
+                )
+                if not delivered:
                     await self._abandon(
                         stream.rid,
                         ServiceUnavailableError("no detokenizer acknowledged the request's output; retry"),
@@ -285,29 +290,6 @@ class SchedulerService:
                 self._remember(stream)
         finally:
             self._pumps.pop(stream.rid, None)
-
-    async def _deliver(self, delta: TokenDelta, deadline: float, trace: str | None) -> bool:
-        """Sends one delta until a detokenizer acks it; False after `delivery_give_up_s` of failures."""
-        data = delta.to_bytes()
-        hdrs = headers(delta.rid, deadline, trace)
-        give_up = time.monotonic() + self.delivery_give_up_s
-        backoff = 0.05
-        while not self.nc.is_closed:
-            try:
-                with self.telemetry.metrics.nats.request("detok"):
-                    msg = await self.nc.request(DETOK, data, timeout=self.detok_timeout_s, headers=hdrs)
-                reply = decode(msg.data, Ack, ErrorReply)
-                if isinstance(reply, ErrorReply):
-                    log.error("detokenizer refused delta %d of %s: %s", delta.seq, delta.rid, reply.message)
-                return isinstance(reply, Ack)
-            except (TimeoutError, nats.errors.Error, ProtocolError) as e:
-                if time.monotonic() > give_up:
-                    log.error("delta %d of %s undeliverable: %s", delta.seq, delta.rid, type(e).__name__)
-                    return False
-                if not isinstance(e, nats.errors.TimeoutError):
-                    await asyncio.sleep(backoff)  # no detokenizer or no connection yet: back off
-                    backoff = min(1.0, backoff * 2)
-        return False
 
     async def _abandon(self, rid: str, err: KubesglError) -> None:
         """Ends a request here: frees it in the engine and tells its gateway why, directly."""
