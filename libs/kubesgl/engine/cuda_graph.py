@@ -1,20 +1,24 @@
 """CUDA graphs for decode: one graph per captured batch size, all sharing one memory pool.
 
-A decode batch of n requests replays the smallest captured size >= n; the padded rows read token 0 at
-position 0 and write their KV to the scratch page 0, and their logits are dropped.
+A decode batch of n requests replays the smallest captured size >= n; the padded rows name the scratch
+slot (token pool row and page-table row of its own, all pages 0), so they read token 0 at position 0 and
+write their KV to the scratch page 0; their logits and tokens are dropped.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
 from kubesgl.attention.base import AttentionMetadata
 from kubesgl.attention.graph_hooks import supports_cuda_graph
+from kubesgl.engine.decode_inputs import decode_inputs
 from kubesgl.engine.forward import ForwardBatch
+from kubesgl.engine.sampler import greedy_tokens, temperature_tokens
 
 if TYPE_CHECKING:
     from kubesgl.engine.runner import ModelRunner
@@ -38,25 +42,40 @@ def auto_max_bs(device: torch.device, max_running: int) -> int:
 
 
 class DecodeGraphs:
-    def __init__(self, runner: ModelRunner, max_bs: int) -> None:
+    """Per captured batch size: a forward graph (input prep + model + logits) and two sampling graphs.
+
+    The forward graph reads only `io`: slots in io[:bs] and positions in io[bs:2 * bs] (each size its own
+    layout, so one contiguous copy fills it); the rest of `io` carries the step's page-table writes. The
+    sampling graphs ("greedy", "temperature") read the forward graph's logits, write the tokens to `tokens`
+    and into the token pool at position + 1.
+    """
+
+    def __init__(self, runner: ModelRunner, max_bs: int, pad_slot: int) -> None:
         if not supports_cuda_graph(runner.attn):
             raise ValueError(f"attention backend {type(runner.attn).__name__} cannot run in CUDA graphs")
         self.runner = runner
         self.sizes = capture_sizes(max_bs)
         self.max_bs = self.sizes[-1]
+        self.pad_slot = pad_slot
         dev = runner.device
-        self.input_ids = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
-        self.out_loc = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
+        # Room for the slots and positions plus a few page-table writes per row (more go in a new tensor).
+        self.io = torch.zeros(2 * self.max_bs + 3 * 4 * self.max_bs, dtype=torch.int64, device=dev)
+        self.tokens = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
         runner.attn.init_cuda_graph(self.max_bs, runner.page_table.shape[1])
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
+        self.samplers: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
         start = time.perf_counter()
         pool = None
         for bs in reversed(self.sizes):  # largest first, so smaller graphs reuse its pool
-            graph, out = self._capture(bs, pool)
-            pool = graph.pool()
-            self.graphs[bs], self.logits[bs] = graph, out
+            self.io[:bs].fill_(pad_slot)  # capture-time runs write only the scratch slot and page 0
+            self.io[bs : 2 * bs].zero_()
+            self.graphs[bs], self.logits[bs] = self._capture(lambda bs=bs: self._forward(bs), bs, pool)
+            pool = self.graphs[bs].pool()
+            for mode in ("greedy", "temperature"):
+                self.samplers[mode, bs], _ = self._capture(
+                    lambda m=mode, bs=bs: self._sample(m, bs), None, pool
+                )
         self.capture_seconds = time.perf_counter() - start
         log.info(
             "captured %d decode CUDA graphs (bs <= %d) in %.1f s",
@@ -67,41 +86,46 @@ class DecodeGraphs:
 
     def _forward(self, bs: int) -> torch.Tensor:
         r = self.runner
-        fb = ForwardBatch("decode", self.input_ids[:bs], self.positions[:bs], self.out_loc[:bs], r.attn, r.kv)
+        slots, positions = self.io[:bs], self.io[bs : 2 * bs]
+        input_ids, out_loc = decode_inputs(r.token_pool, r.page_table, slots, positions, r.page_size)
+        fb = ForwardBatch("decode", input_ids, positions, out_loc, r.attn, r.kv)
         return r.model.compute_logits(r.model.forward(fb)).float()
 
-    def _capture(self, bs: int, pool: object) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        self.runner.attn.plan_capture(bs)
+    def _sample(self, mode: str, bs: int) -> None:
+        r = self.runner
+        slots, positions, logits = self.io[:bs], self.io[bs : 2 * bs], self.logits[bs]
+        if mode == "greedy":
+            tokens = greedy_tokens(logits)
+        else:
+            tokens = temperature_tokens(logits, r.sampler.temperature[slots], r.sampler.greedy_rows(slots))
+        self.tokens[:bs].copy_(tokens)
+        r.token_pool[slots, positions + 1] = tokens
+
+    def _capture(
+        self, fn: Callable[[], torch.Tensor | None], bs: int | None, pool: object
+    ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor | None]:
+        if bs is not None:
+            self.runner.attn.plan_capture(bs)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm up: autotuning and lazy allocations must not happen inside capture
-                self._forward(bs)
+                fn()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
-            out = self._forward(bs)
+            out = fn()
         return graph, out
 
     def padded_size(self, n: int) -> int | None:
         return next((s for s in self.sizes if s >= n), None)
 
-    def run(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        out_loc: torch.Tensor,
-        meta: AttentionMetadata,
-        bs: int,
-    ) -> torch.Tensor:
-        n = input_ids.shape[0]
-        self.input_ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(positions)
-        self.out_loc[:n].copy_(out_loc)
-        if bs > n:
-            self.input_ids[n:bs].zero_()
-            self.positions[n:bs].zero_()
-            self.out_loc[n:bs].zero_()
+    def replay(self, meta: AttentionMetadata, bs: int, sample_mode: str | None) -> torch.Tensor:
+        """Runs the batch whose slots and positions are in `io`; returns the [bs, V] logits.
+
+        With a `sample_mode`, the tokens are in `tokens[:bs]` and already in the token pool."""
         self.runner.attn.plan_replay(meta, bs)
         self.graphs[bs].replay()
-        return self.logits[bs][:n]
+        if sample_mode is not None:
+            self.samplers[sample_mode, bs].replay()
+        return self.logits[bs]

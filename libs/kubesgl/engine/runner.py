@@ -20,7 +20,7 @@ from kubesgl.engine.forward import ForwardBatch
 from kubesgl.engine.plan import BatchPlan
 from kubesgl.engine.sampler import Sampler
 from kubesgl.engine.scheduler import StepTokens
-from kubesgl.engine.transfer import to_device
+from kubesgl.engine.transfer import PinnedStaging
 from kubesgl.engine.types import TokenLogprob
 from kubesgl.kv.kv_cache import KVCache
 
@@ -100,9 +100,11 @@ class ModelRunner:
         )
         slots = config.max_running_requests
         max_pages = -(-self.context_len // self.page_size)
-        self.page_table = torch.zeros(slots, max_pages, dtype=torch.int32, device=self.device)
-        self.token_pool = torch.zeros(slots, self.context_len + 1, dtype=torch.int64, device=self.device)
-        self.sampler = Sampler(slots, self.device)
+        # One row past the scheduler's slots: the scratch slot that padded graph rows name (pages all 0).
+        self.page_table = torch.zeros(slots + 1, max_pages, dtype=torch.int32, device=self.device)
+        self.token_pool = torch.zeros(slots + 1, self.context_len + 1, dtype=torch.int64, device=self.device)
+        self.sampler = Sampler(slots + 1, self.device)
+        self.staging = PinnedStaging(self.device)
         self.attn = create_backend(
             config.attn,
             device=self.device,
@@ -117,7 +119,7 @@ class ModelRunner:
             from kubesgl.engine.cuda_graph import DecodeGraphs, auto_max_bs
 
             max_bs = config.cuda_graph_max_bs or auto_max_bs(self.device, slots)
-            self.graphs = DecodeGraphs(self, min(max_bs, slots))
+            self.graphs = DecodeGraphs(self, min(max_bs, slots), pad_slot=slots)
         # Unseeded sampling draws from this generator: every TP rank must draw the same numbers.
         torch.manual_seed(config.seed)
 
@@ -129,7 +131,7 @@ class ModelRunner:
             n = cfg.num_pages + 1  # + the scratch page
         elif self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            reserve = (1 - cfg.memory_ratio) * total + (2 << 30)  # activations, graphs, sampler buffers
+            reserve = (1 - cfg.memory_ratio) * total + (3 << 30)  # activations, graphs (with in-graph sampling), sampler
             n = int((free - reserve) // per_page)
         else:
             n = cfg.cpu_kv_bytes // per_page
@@ -142,15 +144,50 @@ class ModelRunner:
         log.info("KV cache: %d pages x %d tokens (%.2f GiB)", n, self.page_size, n * per_page / 2**30)
         return n
 
-    # -- one step ------------------------------------------------------------------------------------
+    # -- one step ---------------------------------------------------------------------------------------
     def execute(self, plan: BatchPlan) -> StepResult:
-        dev = self.device
-        i64 = torch.int64
         self.sampler.init_slots(plan.slot_inits)
-        self._write_page_table(plan.page_writes)
+        bs = self.graphs.padded_size(len(plan.slots)) if self.graphs and plan.mode == "decode" else None
+        if bs is not None:
+            return self._execute_graph(plan, bs)
+        return self._execute_eager(plan)
+
+    def _execute_graph(self, plan: BatchPlan, bs: int) -> StepResult:
+        """A decode step through the captured graphs: one host-to-device copy, then two graph replays."""
+        graphs = self.graphs
+        assert graphs is not None
+        n, pad = len(plan.slots), bs - len(plan.slots)
+        head = plan.slots + [graphs.pad_slot] * pad + plan.prefix_lens + [0] * pad
+        cells = _page_cells(plan.page_writes)
+        packed = head + cells
+        if len(packed) <= graphs.io.numel():
+            io = self.staging.upload(packed, graphs.io)
+        else:  # an unusually large page-table write: stage it all in a new tensor, then fill the graph's io
+            io = self.staging.upload(packed)
+            graphs.io[: 2 * bs].copy_(io[: 2 * bs])
+        self._write_page_table(io[2 * bs :])
+        slots_t, positions = io[:n], io[bs : bs + n]
+        meta = AttentionMetadata(
+            mode="decode",
+            page_size=self.page_size,
+            seq_lens=plan.seq_lens,
+            extend_lens=plan.extend_lens,
+            prefix_lens=plan.prefix_lens,
+            page_table=self.page_table[slots_t],
+            seq_lens_dev=(positions + 1).to(torch.int32),
+        )
+        mode = self.sampler.graph_mode(plan.slots, plan.top_logprobs)
+        logits = graphs.replay(meta, bs, mode)
+        if mode is not None:
+            return self._result(plan, graphs.tokens[:n], None, None, None)
+        return self._sample(plan, logits[:n], slots_t, positions + 1)
+
+    def _execute_eager(self, plan: BatchPlan) -> StepResult:
+        """Any batch, op by op: extend, decode without graphs, or larger than the largest graph."""
         ps = self.page_size
-        slots_t = to_device(plan.slots, i64, dev)
-        seq_lens = plan.seq_lens
+        b = len(plan.slots)
+        pick = [i for i, s in enumerate(plan.sample) if s]
+        ends = list(itertools.accumulate(plan.extend_lens))
         if plan.mode == "extend":
             rows = [s for s, n in zip(plan.slots, plan.extend_lens, strict=True) for _ in range(n)]
             pos = [
@@ -158,14 +195,24 @@ class ModelRunner:
                 for pre, n in zip(plan.prefix_lens, plan.extend_lens, strict=True)
                 for p in range(pre, pre + n)
             ]
-            rows_t = to_device(rows, i64, dev)
-            positions = to_device(pos, i64, dev)
-            input_ids = to_device(plan.tokens, i64, dev)
+            tokens = plan.tokens
+        else:
+            rows, pos, tokens = plan.slots, plan.prefix_lens, []
+        t, k = len(rows), len(pick)
+        seq_lens = plan.seq_lens
+        sampled = [plan.slots[i] for i in pick] + [seq_lens[i] for i in pick]
+        packed = rows + pos + tokens + plan.slots + seq_lens + [ends[i] - 1 for i in pick] + sampled
+        io = self.staging.upload(packed + _page_cells(plan.page_writes))
+        rows_t, positions = io[:t], io[t : 2 * t]
+        off = 2 * t + len(tokens)
+        slots_t, seq_lens_t = io[off : off + b], io[off + b : off + 2 * b]
+        last, s_slots, s_lens = io[off + 2 * b : off + 2 * b + 3 * k].view(3, k)
+        self._write_page_table(io[len(packed) :])
+        if plan.mode == "extend":
+            input_ids = io[2 * t : off]
             self.token_pool[rows_t, positions] = input_ids
         else:
-            rows_t = slots_t
-            positions = to_device(plan.prefix_lens, i64, dev)
-            input_ids = self.token_pool[slots_t, positions]
+            input_ids = self.token_pool[rows_t, positions]
         out_loc = self.page_table[rows_t, positions // ps].long() * ps + positions % ps
         meta = AttentionMetadata(
             mode=plan.mode,
@@ -174,48 +221,60 @@ class ModelRunner:
             extend_lens=plan.extend_lens,
             prefix_lens=plan.prefix_lens,
             page_table=self.page_table[slots_t],
-            seq_lens_dev=to_device(seq_lens, torch.int32, dev),
+            seq_lens_dev=seq_lens_t.to(torch.int32),
         )
+        self.attn.plan(meta)
+        hidden = self.model.forward(
+            ForwardBatch(plan.mode, input_ids, positions, out_loc, self.attn, self.kv)
+        )
+        if not pick:
+            return StepResult(plan, torch.empty(0, dtype=torch.int64, device=self.device), None, None, None)
+        return self._sample(plan, self.model.compute_logits(hidden[last]).float(), s_slots, s_lens)
+
+    def _sample(
+        self, plan: BatchPlan, logits: torch.Tensor, slots_t: torch.Tensor, seq_lens_t: torch.Tensor
+    ) -> StepResult:
+        """The eager sampler over the rows that sample (slots_t, seq_lens_t: theirs, on the device); their
+        tokens go into the token pool."""
         pick = [i for i, s in enumerate(plan.sample) if s]
-        graph_bs = self.graphs.padded_size(len(plan.slots)) if self.graphs and plan.mode == "decode" else None
-        if graph_bs is not None:
-            logits = self.graphs.run(input_ids, positions, out_loc, meta, graph_bs)
-        else:
-            self.attn.plan(meta)
-            hidden = self.model.forward(
-                ForwardBatch(plan.mode, input_ids, positions, out_loc, self.attn, self.kv)
-            )
-            if not pick:
-                return StepResult(plan, torch.empty(0, dtype=i64, device=dev), None, None, None)
-            ends = list(itertools.accumulate(plan.extend_lens))
-            last = to_device([ends[i] - 1 for i in pick], i64, dev)
-            logits = self.model.compute_logits(hidden[last]).float()
-        s_slots = [plan.slots[i] for i in pick]
-        s_lens = [seq_lens[i] for i in pick]
+        seq_lens = plan.seq_lens
         toks, chosen, top_ids, top_lp = self.sampler.sample(
-            logits, s_slots, s_lens, self.token_pool, [plan.top_logprobs[i] for i in pick]
+            logits,
+            [plan.slots[i] for i in pick],
+            [seq_lens[i] for i in pick],
+            self.token_pool,
+            [plan.top_logprobs[i] for i in pick],
         )
-        self.token_pool[to_device(s_slots, i64, dev), to_device(s_lens, i64, dev)] = toks
-        event = None
-        if dev.type == "cuda":
-            toks = toks.to("cpu", non_blocking=True)
-            chosen, top_ids, top_lp = (
-                t.to("cpu", non_blocking=True) if t is not None else None for t in (chosen, top_ids, top_lp)
-            )
-            event = torch.cuda.Event()
-            event.record()
+        self.token_pool[slots_t, seq_lens_t] = toks
+        return self._result(plan, toks, chosen, top_ids, top_lp)
+
+    def _result(
+        self,
+        plan: BatchPlan,
+        toks: torch.Tensor,
+        chosen: torch.Tensor | None,
+        top_ids: torch.Tensor | None,
+        top_lp: torch.Tensor | None,
+    ) -> StepResult:
+        if self.device.type != "cuda":
+            return StepResult(plan, toks, chosen, top_ids, top_lp)
+        toks, chosen, top_ids, top_lp = (
+            t.to("cpu", non_blocking=True) if t is not None else None for t in (toks, chosen, top_ids, top_lp)
+        )
+        event = torch.cuda.Event()
+        event.record()
         return StepResult(plan, toks, chosen, top_ids, top_lp, event)
 
-    def _write_page_table(self, writes: list[tuple[int, int, list[int]]]) -> None:
-        if not writes:
-            return
-        cells = {
-            (slot, start + i): p for slot, start, pages in writes for i, p in enumerate(pages)
-        }  # last wins
-        rows, cols = [r for r, _ in cells], [c for _, c in cells]
-        vals = list(cells.values())
-        dev = self.device
-        i64 = torch.int64
-        self.page_table[to_device(rows, i64, dev), to_device(cols, i64, dev)] = to_device(
-            vals, torch.int32, dev
-        )
+    def _write_page_table(self, cells: torch.Tensor) -> None:
+        """cells: [rows..., cols..., values...] from `_page_cells`, on the device."""
+        k = cells.shape[0] // 3
+        if k:
+            self.page_table[cells[:k], cells[k : 2 * k]] = cells[2 * k :].to(torch.int32)
+
+
+def _page_cells(writes: list[tuple[int, int, list[int]]]) -> list[int]:
+    """(slot, first index, pages) writes as one list [rows..., cols..., pages...]; a later write to a cell wins."""
+    if not writes:
+        return []
+    cells = {(slot, start + i): p for slot, start, pages in writes for i, p in enumerate(pages)}
+    return [r for r, _ in cells] + [c for _, c in cells] + list(cells.values())

@@ -23,6 +23,30 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return (x >> 16) ^ x
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(dim=-1)
+
+
+def temperature_probs(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """softmax(logits / T) per row; greedy rows (T = 0) get a finite stand-in (their token is the argmax)."""
+    return torch.softmax(logits / temperature.clamp_min(1e-5)[:, None], dim=-1)
+
+
+def exponential_race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """argmax p / E with E ~ Exp(1) draws from p exactly (Gumbel-max in ratio form)."""
+    return (probs / noise).argmax(dim=-1)
+
+
+def temperature_tokens(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
+    """Temperature-only sampling from the device generator; rows where `greedy` take the argmax.
+
+    No host sync and no data-dependent shapes, so a decode CUDA graph captures it (the generator's
+    philox offset advances on every replay)."""
+    probs = temperature_probs(logits, temperature)
+    sampled = exponential_race(probs, torch.empty_like(probs).exponential_())
+    return torch.where(greedy, greedy_tokens(logits), sampled)
+
+
 def seeded_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
     """[B, vocab] uniforms in (0, 1) that depend only on (seed, position, token id)."""
     s = _mix32((seeds ^ (seeds >> 32)) & _M32)
@@ -30,6 +54,13 @@ def seeded_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> 
     ids = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
     x = _mix32((s[:, None] ^ _mix32(ids)[None, :] * 3 + 0x9E37) & _M32)
     return ((x >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+def _put(members: set[int], slot: int, member: bool) -> None:
+    if member:
+        members.add(slot)
+    else:
+        members.discard(slot)
 
 
 class Sampler:
@@ -51,6 +82,8 @@ class Sampler:
         self.device = device
         # Host mirrors that decide which (costly) stages a batch needs, without reading the device.
         self._host: dict[int, SlotInit] = {}
+        self._random_slots: set[int] = set()  # rows that draw noise (not greedy)
+        self._eager_slots: set[int] = set()  # rows that need a stage `temperature_tokens` lacks
 
     def init_slots(self, inits: list[SlotInit]) -> None:
         if not inits:
@@ -71,6 +104,22 @@ class Sampler:
             t[idx] = to_device([getattr(s, attr) for s in inits], t.dtype, self.device)
         for s in inits:
             self._host[s.slot] = s
+            greedy = s.temperature == 0 or s.top_k == 1
+            penalized = s.presence_penalty or s.frequency_penalty or s.repetition_penalty != 1.0
+            filtered = s.top_k > 1 or s.top_p < 1.0 or s.min_p > 0 or s.seed_given
+            _put(self._random_slots, s.slot, not greedy)
+            _put(self._eager_slots, s.slot, bool(penalized or (filtered and not greedy)))
+
+    def graph_mode(self, slots: list[int], top_logprobs: list[int]) -> str | None:
+        """ "greedy" or "temperature" when `greedy_tokens`/`temperature_tokens` sample this batch exactly as
+        `sample` would; None when it needs `sample` (penalties, top-k/top-p/min-p, seeds, logprobs)."""
+        if max(top_logprobs, default=-1) >= 0 or not self._eager_slots.isdisjoint(slots):
+            return None
+        return "greedy" if self._random_slots.isdisjoint(slots) else "temperature"
+
+    def greedy_rows(self, slot_t: torch.Tensor) -> torch.Tensor:
+        """[B] bool on the device: the rows `temperature_tokens` must answer by argmax."""
+        return (self.temperature[slot_t] == 0) | (self.top_k[slot_t] == 1)
 
     def sample(
         self,
@@ -91,7 +140,7 @@ class Sampler:
 
         greedy = [h.temperature == 0 or h.top_k == 1 for h in host]
         if all(greedy):
-            tokens = logits.argmax(dim=-1)
+            tokens = greedy_tokens(logits)
         else:
             tokens = self._sample_random(logits, host, slot_t, seq_lens, greedy)
 
@@ -137,8 +186,7 @@ class Sampler:
         seq_lens: list[int],
         greedy: list[bool],
     ) -> torch.Tensor:
-        temp = self.temperature[slot_t].clamp_min(1e-5)[:, None]
-        probs = torch.softmax(logits / temp, dim=-1)
+        probs = temperature_probs(logits, self.temperature[slot_t])
         if any(h.top_k > 1 or h.top_p < 1.0 for h in host):
             sorted_p, order = probs.sort(dim=-1, descending=True)
             rank = torch.arange(probs.shape[1], device=probs.device)[None, :]
@@ -151,15 +199,14 @@ class Sampler:
         if any(h.min_p > 0 for h in host):
             floor = self.min_p[slot_t][:, None] * probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < floor, 0.0)
-        # Exponential race: argmax p / E with E ~ Exp(1) draws from p exactly (Gumbel-max in ratio form).
         noise = torch.empty_like(probs).exponential_()
         seeded = [i for i, h in enumerate(host) if h.seed_given]
         if seeded:  # reproducible rows: noise from (seed, position, token id) alone, whatever the batch
             rows = to_device(seeded, torch.int64, logits.device)
             positions = to_device([seq_lens[i] for i in seeded], torch.int64, logits.device)
             noise[rows] = -torch.log(seeded_uniform(self.seed[slot_t[rows]], positions, probs.shape[1]))
-        sampled = (probs / noise).argmax(dim=-1)
+        sampled = exponential_race(probs, noise)
         if any(greedy):
             g = to_device(greedy, torch.bool, logits.device)
-            sampled = torch.where(g, logits.argmax(dim=-1), sampled)
+            sampled = torch.where(g, greedy_tokens(logits), sampled)
         return sampled
