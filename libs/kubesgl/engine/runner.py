@@ -131,7 +131,8 @@ class ModelRunner:
             n = cfg.num_pages + 1  # + the scratch page
         elif self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            reserve = (1 - cfg.memory_ratio) * total + (3 << 30)  # activations, graphs (with in-graph sampling), sampler
+            # Activations, CUDA graphs (with their in-graph sampling buffers), eager sampler buffers.
+            reserve = (1 - cfg.memory_ratio) * total + (3 << 30)
             n = int((free - reserve) // per_page)
         else:
             n = cfg.cpu_kv_bytes // per_page
