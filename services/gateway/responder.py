@@ -41,7 +41,8 @@ async def respond(
         await until_disconnect(request, group.admit())
         if stream:
             events = _sse_events(group, encoder, scope, include_usage)
-            return ClosingStreamingResponse(events, on_close=lambda: _close(group, scope, 200))
+            # The stream's own end records the real status first; this only catches a body never iterated.
+            return ClosingStreamingResponse(events, on_close=lambda: _close(group, scope, CLIENT_CLOSED))
         results = await until_disconnect(request, group.collect())
     except KubesglError as e:
         _close(group, scope, e.status)
