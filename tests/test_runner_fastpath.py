@@ -206,3 +206,14 @@ def test_graph_sampling_is_reproducible_from_the_engine_seed(gpu_model: str) -> 
     other_seed = _generate(gpu_model, params, n=12, dtype="bfloat16", seed=1)
     assert [o["token_ids"] for o in first] == [o["token_ids"] for o in second]
     assert [o["token_ids"] for o in first] != [o["token_ids"] for o in other_seed]
+
+
+def test_tensor_aware_max_keeps_builtin_semantics() -> None:
+    from kubesgl.attention.flashinfer_backend import _tensor_aware_max
+
+    t = torch.tensor([3, 9, 4], dtype=torch.int32)
+    assert _tensor_aware_max(t).item() == max(t).item() == 9
+    assert _tensor_aware_max([1, 5, 2]) == 5 and _tensor_aware_max(2, 7) == 7
+    assert _tensor_aware_max([], default=-1) == -1
+    with pytest.raises(ValueError):
+        _tensor_aware_max(torch.tensor([], dtype=torch.int32))

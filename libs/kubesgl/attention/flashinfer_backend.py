@@ -7,6 +7,8 @@ only launches kernels. FlashInfer takes the page table as a ragged list (indptr 
 
 from __future__ import annotations
 
+import builtins
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,6 +32,20 @@ def flatten_page_table(page_table: torch.Tensor, num_pages: list[int]) -> torch.
     )
     cols = torch.arange(total, device=page_table.device) - (torch.cumsum(counts, 0) - counts)[rows]
     return page_table[rows, cols]
+
+
+def _tensor_aware_max(*args: Any, **kwargs: Any) -> Any:
+    """builtins.max, except that a non-empty 1-D tensor answers with its own max (one op, same value)."""
+    one = args[0] if len(args) == 1 and not kwargs else None
+    if isinstance(one, torch.Tensor) and one.dim() == 1 and one.numel():
+        return one.max()
+    return builtins.max(*args, **kwargs)
+
+
+def speed_up_host_max(module: ModuleType) -> None:
+    """FlashInfer's tensor-core decode plan takes `max()` of a host tensor of KV lengths on every plan; the
+    builtin walks it element by element (0.9 ms for 256 requests on our CI CPU), the tensor's max is one op."""
+    module.max = _tensor_aware_max  # type: ignore[attr-defined]
 
 
 def _pinned_int32(values: list[int]) -> torch.Tensor:
@@ -69,6 +85,7 @@ class FlashInferAttention:
                 f"attention backend 'flashinfer' needs a CUDA device, not {self.device}"
             )
         self._fi = flashinfer
+        speed_up_host_max(flashinfer.decode)
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
         self.page_size, self.dtype = page_size, dtype
         self.scale = head_dim**-0.5 if scale is None else scale

@@ -53,6 +53,8 @@ class StepResult:
         if self.event is not None:
             self.event.synchronize()
         toks = self.tokens.tolist()
+        if self.chosen_lp is None and len(toks) == len(self.plan.sample):  # every row sampled, no logprobs
+            return StepTokens(toks, [None] * len(toks))
         chosen = self.chosen_lp.tolist() if self.chosen_lp is not None else None
         top_ids = self.top_ids.tolist() if self.top_ids is not None else None
         top_lp = self.top_lp.tolist() if self.top_lp is not None else None
