@@ -10,6 +10,7 @@ from kubesgl.engine.config import EngineConfig
 from kubesgl.engine.engine import Engine
 from kubesgl.engine.sampling import SamplingParams
 from kubesgl.errors import InvalidRequestError
+from kubesgl.text.tokenizer import ModelTokenizer
 
 
 class LLM:
@@ -67,7 +68,7 @@ class LLM:
                 raise InvalidRequestError(
                     "this model directory has no tokenizer: pass token ids", param="prompt"
                 )
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
+            return self.tokenizer.encode(prompt)
         if not all(isinstance(t, int) for t in prompt):
             raise InvalidRequestError("a prompt must be a string or a list of token ids", param="prompt")
         return list(prompt)
@@ -82,9 +83,8 @@ class LLM:
         self.shutdown()
 
 
-def _load_tokenizer(model_path: str) -> Any:
+def _load_tokenizer(model_path: str) -> ModelTokenizer | None:
+    """The same tokenizer the services use (special tokens added on encode, skipped on decode)."""
     if not os.path.exists(os.path.join(model_path, "tokenizer.json")):
         return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_path)
+    return ModelTokenizer.load(model_path)
