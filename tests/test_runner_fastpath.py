@@ -14,6 +14,7 @@ import torch
 from engine_helpers import assert_greedy_match
 from kubesgl import LLM, SamplingParams
 from kubesgl.engine.decode_inputs import decode_inputs
+from kubesgl.engine.gumbel_sampling import gumbel_tokens, philox_key, sampling_scale
 from kubesgl.engine.plan import SlotInit
 from kubesgl.engine.runner import _page_cells
 from kubesgl.engine.sampler import Sampler, greedy_tokens, temperature_tokens
@@ -140,6 +141,30 @@ def test_staging_uploads_into_the_given_buffer() -> None:
     got = staging.upload([3, 1, 4, 1, 5, 9], out)
     assert got.tolist() == [3, 1, 4, 1, 5, 9] and out[6:].tolist() == [-1] * 4
     assert staging.upload([2, 7]).tolist() == [2, 7]
+
+
+def test_gumbel_kernel_greedy_rows_are_torch_argmax_ties_included() -> None:
+    logits = torch.randn(3, 700, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    logits[1, 650] = logits[1, 12] = logits[1].max() + 1  # ties: the first index wins, as in torch
+    logits[2, 5] = logits[2, 9] = logits[2].max() + 1
+    greedy = torch.tensor([True, True, True])
+    scale = sampling_scale(torch.ones(3), greedy)
+    tokens = gumbel_tokens(logits, scale, philox_key(0, CPU))
+    assert tokens.tolist() == logits.float().argmax(dim=-1).tolist() == [int(logits[0].argmax()), 12, 5]
+
+
+def test_gumbel_kernel_samples_softmax_of_logits_over_temperature() -> None:
+    rows, temperature = 300, 0.7
+    base = torch.tensor([1.0, 0.0, -1.0, 0.5, 0.2])
+    logits = base.repeat(rows, 1)  # every row an independent draw (its own Philox offsets)
+    scale = sampling_scale(torch.full((rows,), temperature), torch.zeros(rows, dtype=torch.bool))
+    key = philox_key(5, CPU)
+    first = gumbel_tokens(logits, scale, key)
+    freq = torch.bincount(first, minlength=5).float() / rows
+    assert (freq - torch.softmax(base / temperature, 0)).abs().max() < 0.1  # 4 sigma at 300 draws
+    assert gumbel_tokens(logits, scale, key).tolist() == first.tolist()  # same key, same draw
+    key += 1
+    assert gumbel_tokens(logits, scale, key).tolist() != first.tolist()  # the graph advances the key
 
 
 # --- CUDA: the engine's graph path ----------------------------------------------------------------------

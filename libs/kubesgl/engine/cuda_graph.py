@@ -18,6 +18,7 @@ from kubesgl.attention.base import AttentionMetadata
 from kubesgl.attention.graph_hooks import supports_cuda_graph
 from kubesgl.engine.decode_inputs import decode_inputs
 from kubesgl.engine.forward import ForwardBatch
+from kubesgl.engine.gumbel_sampling import gumbel_tokens, philox_key, sampling_scale
 from kubesgl.engine.sampler import greedy_tokens, temperature_tokens
 
 if TYPE_CHECKING:
@@ -44,6 +45,9 @@ def auto_max_bs(device: torch.device, max_running: int) -> int:
 class DecodeGraphs:
     """Per captured batch size: a forward graph (input prep + model + logits) and two sampling graphs.
 
+    Logits stay in the model's dtype: greedy argmax is the same on them, temperature sampling reads them once
+    (`gumbel_tokens`), and only the eager sampler casts its rows to float32.
+
     The forward graph reads only `io`: slots in io[:bs] and positions in io[bs:2 * bs] (each size its own
     layout, so one contiguous copy fills it); the rest of `io` carries the step's page-table writes. The
     sampling graphs ("greedy", "temperature") read the forward graph's logits, write the tokens to `tokens`
@@ -61,6 +65,8 @@ class DecodeGraphs:
         # Room for the slots and positions plus a few page-table writes per row (more go in a new tensor).
         self.io = torch.zeros(2 * self.max_bs + 3 * 4 * self.max_bs, dtype=torch.int64, device=dev)
         self.tokens = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
+        self.philox_key = philox_key(runner.config.seed, dev)
+        self._torch_temperature = False
         runner.attn.init_cuda_graph(self.max_bs, runner.page_table.shape[1])
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
@@ -73,9 +79,7 @@ class DecodeGraphs:
             self.graphs[bs], self.logits[bs] = self._capture(lambda bs=bs: self._forward(bs), bs, pool)
             pool = self.graphs[bs].pool()
             for mode in ("greedy", "temperature"):
-                self.samplers[mode, bs], _ = self._capture(
-                    lambda m=mode, bs=bs: self._sample(m, bs), None, pool
-                )
+                self.samplers[mode, bs] = self._capture_sampler(mode, bs, pool)
         self.capture_seconds = time.perf_counter() - start
         log.info(
             "captured %d decode CUDA graphs (bs <= %d) in %.1f s",
@@ -89,17 +93,35 @@ class DecodeGraphs:
         slots, positions = self.io[:bs], self.io[bs : 2 * bs]
         input_ids, out_loc = decode_inputs(r.token_pool, r.page_table, slots, positions, r.page_size)
         fb = ForwardBatch("decode", input_ids, positions, out_loc, r.attn, r.kv)
-        return r.model.compute_logits(r.model.forward(fb)).float()
+        return r.model.compute_logits(r.model.forward(fb))
 
     def _sample(self, mode: str, bs: int) -> None:
         r = self.runner
         slots, positions, logits = self.io[:bs], self.io[bs : 2 * bs], self.logits[bs]
         if mode == "greedy":
             tokens = greedy_tokens(logits)
-        else:
-            tokens = temperature_tokens(logits, r.sampler.temperature[slots], r.sampler.greedy_rows(slots))
+        elif mode == "temperature":
+            scale = sampling_scale(r.sampler.temperature[slots], r.sampler.greedy_rows(slots))
+            tokens = gumbel_tokens(logits, scale, self.philox_key)
+            self.philox_key.add_(1)
+        else:  # "temperature" in plain torch ops, where the Triton kernel could not be built
+            temperature = r.sampler.temperature[slots]
+            tokens = temperature_tokens(logits.float(), temperature, r.sampler.greedy_rows(slots))
         self.tokens[:bs].copy_(tokens)
         r.token_pool[slots, positions + 1] = tokens
+
+    def _capture_sampler(self, mode: str, bs: int, pool: object) -> torch.cuda.CUDAGraph:
+        if mode == "temperature" and self._torch_temperature:
+            mode = "torch-temperature"
+        try:
+            graph, _ = self._capture(lambda: self._sample(mode, bs), None, pool)
+        except Exception:  # a Triton build failure shows in the warm-up, before any capture starts
+            if mode != "temperature":
+                raise
+            log.exception("Gumbel sampling kernel unavailable; sampling in the graph with torch ops")
+            self._torch_temperature = True
+            return self._capture_sampler(mode, bs, pool)
+        return graph
 
     def _capture(
         self, fn: Callable[[], torch.Tensor | None], bs: int | None, pool: object

@@ -183,7 +183,7 @@ class ModelRunner:
         logits = graphs.replay(meta, bs, mode)
         if mode is not None:
             return self._result(plan, graphs.tokens[:n], None, None, None)
-        return self._sample(plan, logits[:n], slots_t, positions + 1)
+        return self._sample(plan, logits[:n].float(), slots_t, positions + 1)
 
     def _execute_eager(self, plan: BatchPlan) -> StepResult:
         """Any batch, op by op: extend, decode without graphs, or larger than the largest graph."""
