@@ -32,6 +32,7 @@ TOKENIZE = f"{_ROOT}.tokenize"
 ABORT = f"{_ROOT}.abort"
 HEARTBEAT = f"{_ROOT}.sched.heartbeat"
 DETOK = f"{_ROOT}.detok"
+KV_EVENTS_ALL = f"{_ROOT}.kv.*"  # every instance's KvEvents (routers subscribe to all of them)
 
 TOKENIZER_QUEUE = "tokenizer"
 DETOKENIZER_QUEUE = "detokenizer"
@@ -57,6 +58,16 @@ def generate_subject(instance_id: str) -> str:
 def stats_subject(instance_id: str) -> str:
     """Request/reply subject answering one scheduler instance's SchedulerStats (operators and tests)."""
     return f"{_ROOT}.sched.{_token(instance_id)}.stats"
+
+
+def kv_events_subject(instance_id: str) -> str:
+    """Where one scheduler instance broadcasts its prefix-cache KvEvents (matched by KV_EVENTS_ALL)."""
+    return f"{_ROOT}.kv.{_token(instance_id)}"
+
+
+def kv_snapshot_subject(instance_id: str) -> str:
+    """Request/reply subject answering a KvSnapshot of everything one instance's prefix cache holds now."""
+    return f"{_ROOT}.sched.{_token(instance_id)}.kv_snapshot"
 
 
 def gateway_subject(gateway_id: str) -> str:
@@ -175,6 +186,7 @@ class TokenizeRequest(Message):
     input_ids: list[int] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    session_id: str | None = None  # OpenAI `user` or header x-session-id: routers may keep a session together
 
 
 @dataclass
@@ -240,6 +252,37 @@ class Heartbeat(Message):
     max_running_requests: int
     draining: bool
     ts: float
+    # Prefix-cache KV events: block size in tokens (0 = not published), this process's epoch, last seq sent.
+    kv_block_size: int = 0
+    kv_epoch: str = ""
+    kv_seq: int = 0
+
+
+@dataclass
+class KvEvents(Message):
+    """scheduler -> routers: prefix blocks its cache stored and removed since the previous batch.
+
+    `seq` counts batches from 1 within one `epoch` (a process start), so a router sees a lost batch as a gap;
+    `stored` and `removed` are disjoint (kubesgl.kv.kv_events block hashes of `block_size` tokens).
+    """
+
+    instance_id: str
+    epoch: str
+    seq: int
+    block_size: int
+    stored: list[int] = field(default_factory=list)
+    removed: list[int] = field(default_factory=list)
+
+
+@dataclass
+class KvSnapshot(Message):
+    """Reply on kv_snapshot_subject: every block the instance's cache holds, as of batch `seq` of `epoch`."""
+
+    instance_id: str
+    epoch: str
+    seq: int
+    block_size: int
+    blocks: list[int] = field(default_factory=list)
 
 
 @dataclass
