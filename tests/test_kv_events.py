@@ -53,3 +53,29 @@ def test_engine_reports_events_for_finished_requests(tmp_path) -> None:
     # Every full block of the prompt is reported; later blocks only where their KV exists.
     assert block_hashes(prompt, 16) == stored[: len(prompt) // 16]
     assert set(stored) <= set(block_hashes(full, 16)) and removed == []
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_radix_block_hashes_equal_the_net_event_stream(page_size: int) -> None:
+    """A snapshot lists exactly the blocks that the events so far stored and did not remove."""
+    rng = random.Random(page_size)
+    pool = PagePool(400, page_size)
+    ev = KVEvents(block_size=8)
+    cache = RadixCache(page_size, pool, ev)
+    held: set[int] = set()
+    shared = [rng.randrange(50) for _ in range(24)]
+    for _ in range(30):
+        toks = shared[: rng.randrange(0, 25)] + [rng.randrange(50) for _ in range(rng.randrange(1, 40))]
+        toks = toks[: len(toks) - len(toks) % page_size]
+        if not toks:
+            continue
+        if pool.num_free < len(toks) // page_size:
+            cache.evict(len(toks))
+        handle, _ = cache.insert(toks, pool.alloc(len(toks) // page_size), None)
+        cache.release(handle)
+        if rng.random() < 0.3:
+            cache.evict(rng.randrange(1, 20))
+        stored, removed = ev.drain()
+        held = (held - set(removed)) | set(stored)
+        snapshot = cache.block_hashes(8)
+        assert len(snapshot) == len(set(snapshot)) and set(snapshot) == held

@@ -11,7 +11,7 @@ import heapq
 import itertools
 import time
 
-from kubesgl.kv.kv_events import KVEvents
+from kubesgl.kv.kv_events import KVEvents, block_hashes
 from kubesgl.kv.page_pool import PagePool
 
 
@@ -147,6 +147,26 @@ class RadixCache:
             if parent is not self.root and not parent.children and parent.ref == 0:
                 heapq.heappush(heap, (parent.last_access, next(self._tick), parent))
         return freed
+
+    def block_hashes(self, block_size: int) -> list[int]:
+        """Every whole block the cache holds now, as KV-event hashes (a router's snapshot; O(cached tokens))."""
+        out: list[int] = []
+        tokens: list[int] = []  # the path from the root to the node being visited
+        chain: list[int] = []  # chain[j] = hash of block j of that path
+        stack: list[tuple[_Node, int, int] | _Node] = list(self.root.children.values())
+        while stack:
+            item = stack.pop()
+            if isinstance(item, tuple):  # leaving a node: back to its parent's path
+                _, n_tokens, n_blocks = item
+                del tokens[n_tokens:], chain[n_blocks:]
+                continue
+            stack.append((item, len(tokens), len(chain)))
+            tokens += item.key
+            new = block_hashes(tokens, block_size, start_block=len(chain), parent=chain[-1] if chain else 0)
+            chain += new
+            out += new
+            stack.extend(item.children.values())
+        return out
 
     def _path_tokens(self, node: _Node) -> list[int]:
         keys = []
