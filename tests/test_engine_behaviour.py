@@ -97,7 +97,9 @@ def test_seeded_sampling_is_reproducible(model: str) -> None:
     p = _prompt(12, 4)
     with LLM(model) as llm:
         a = llm.generate([p], SamplingParams(max_tokens=16, temperature=20.0, seed=123, ignore_eos=True))[0]
-        b = llm.generate([p, _prompt(30, 5)], SamplingParams(max_tokens=16, temperature=20.0, seed=123, ignore_eos=True))[0]
+        b = llm.generate(
+            [p, _prompt(30, 5)], SamplingParams(max_tokens=16, temperature=20.0, seed=123, ignore_eos=True)
+        )[0]
         c = llm.generate([p], SamplingParams(max_tokens=16, temperature=20.0, seed=124, ignore_eos=True))[0]
     assert a["token_ids"] == b["token_ids"]  # batch company does not matter
     assert a["token_ids"] != c["token_ids"]
@@ -144,13 +146,22 @@ def test_sampler_penalty_directions() -> None:
     from kubesgl.engine.sampler import Sampler
 
     s = Sampler(4, torch.device("cpu"))
-    s.init_slots([SlotInit(0, 2, 0.0, -1, 1.0, 0.0, 0.0, 0.0, 2.0, 0), SlotInit(1, 2, 0.0, -1, 1.0, 0.0, 1.0, 0.0, 1.0, 0)])
+    s.init_slots(
+        [
+            SlotInit(0, 2, 0.0, -1, 1.0, 0.0, 0.0, 0.0, 2.0, 0),
+            SlotInit(1, 2, 0.0, -1, 1.0, 0.0, 1.0, 0.0, 1.0, 0),
+        ]
+    )
     pool = torch.tensor([[3, 1, 3, 0], [1, 2, 3, 0], [0] * 4, [0] * 4])
     logits = torch.tensor([[1.0, 2.0, 0.5, 3.0], [1.0, 2.0, 0.5, 2.9]])
-    penalized = s._apply_penalties(logits.clone(), [s._host[0], s._host[1]], torch.tensor([0, 1]), [3, 3], pool)
+    penalized = s._apply_penalties(
+        logits.clone(), [s._host[0], s._host[1]], torch.tensor([0, 1]), [3, 3], pool
+    )
     assert penalized[0, 3] == pytest.approx(1.5)  # repetition: positive logit of a seen token divided
     assert penalized[0, 2] == pytest.approx(0.5)  # unseen token unchanged
-    assert penalized[1, 3] == pytest.approx(1.9)  # presence: output token (pos 2 >= prompt_len 2) lowered by 1
+    assert penalized[1, 3] == pytest.approx(
+        1.9
+    )  # presence: output token (pos 2 >= prompt_len 2) lowered by 1
     assert penalized[1, 1] == pytest.approx(2.0)  # prompt tokens are not output tokens
 
 
@@ -159,8 +170,12 @@ def test_top_p_and_min_p_restrict_choices(model: str) -> None:
     with LLM(model) as llm:
         greedy = llm.generate([p], SamplingParams(max_tokens=1, temperature=0))[0]["token_ids"]
         for seed in range(8):
-            tiny_p = llm.generate([p], SamplingParams(max_tokens=1, temperature=5.0, top_p=1e-6, seed=seed))[0]
-            full_min_p = llm.generate([p], SamplingParams(max_tokens=1, temperature=5.0, min_p=1.0, seed=seed))[0]
+            tiny_p = llm.generate([p], SamplingParams(max_tokens=1, temperature=5.0, top_p=1e-6, seed=seed))[
+                0
+            ]
+            full_min_p = llm.generate(
+                [p], SamplingParams(max_tokens=1, temperature=5.0, min_p=1.0, seed=seed)
+            )[0]
             assert tiny_p["token_ids"] == greedy
             assert full_min_p["token_ids"] == greedy
 
@@ -168,10 +183,14 @@ def test_top_p_and_min_p_restrict_choices(model: str) -> None:
 def test_stop_token_ends_with_stop(model: str) -> None:
     p = _prompt(12, 9)
     with LLM(model) as llm:
-        free = llm.generate([p], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0]["token_ids"]
+        free = llm.generate([p], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0][
+            "token_ids"
+        ]
         stop_at = next(i for i, t in enumerate(free) if t not in free[:i]) if len(set(free)) == 1 else 2
         stop_id = free[stop_at] if stop_at < len(free) else free[0]
-        stopped = llm.generate([p], SamplingParams(max_tokens=10, temperature=0, stop_token_ids=(stop_id,)))[0]
+        stopped = llm.generate([p], SamplingParams(max_tokens=10, temperature=0, stop_token_ids=(stop_id,)))[
+            0
+        ]
     assert stopped["finish_reason"] == "stop"
     assert stopped["token_ids"][-1] == stop_id
     assert stopped["token_ids"] == free[: free.index(stop_id) + 1]
@@ -206,7 +225,9 @@ def test_logprobs_are_log_softmax_of_the_model(model: str) -> None:
         ([1, 10**9], SamplingParams(), InvalidRequestError),
     ],
 )
-def test_bad_input_raises_and_leaks_nothing(model: str, prompt: list[int], params: SamplingParams, error: type) -> None:
+def test_bad_input_raises_and_leaks_nothing(
+    model: str, prompt: list[int], params: SamplingParams, error: type
+) -> None:
     with LLM(model, max_seq_len_override=4096) as llm:
         with pytest.raises(error):
             llm.generate([[5, 6, 7], prompt], params if prompt != [1, 2] or True else params)
@@ -217,3 +238,22 @@ def test_bad_input_raises_and_leaks_nothing(model: str, prompt: list[int], param
 def test_unknown_model_path_is_a_clear_error(tmp_path) -> None:
     with pytest.raises(ModelNotFoundError, match="no-such-model"):
         LLM(str(tmp_path / "no-such-model"))
+
+
+def test_sequence_outgrowing_the_kv_cache_ends_with_length(model: str) -> None:
+    # 12 pages of 4 tokens: a 20-token prompt can grow to 48 tokens, then the cache is full.
+    with LLM(model, num_pages=12, page_size=4) as llm:
+        out = llm.generate([_prompt(20, 3)], SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))[
+            0
+        ]
+        assert out["finish_reason"] == "length"
+        assert 20 + len(out["token_ids"]) <= 12 * 4 + 1
+        assert _baseline(llm.engine)
+        with pytest.raises(ContextLengthError, match="KV cache"):
+            llm.generate([_prompt(60, 4)], GREEDY)
+        # Two requests that cannot both fit: one is preempted, both finish, nothing hangs or leaks.
+        outs = llm.generate(
+            [_prompt(18, 5), _prompt(18, 6)], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+        )
+        assert [o["finish_reason"] for o in outs] == ["length", "length"]
+        assert _baseline(llm.engine)

@@ -66,6 +66,12 @@ class Scheduler:
                 "(at least one token must be left for the completion).",
                 param="prompt",
             )
+        room = self.pool.capacity * self.pool.page_size
+        if n + 1 > room:
+            raise ContextLengthError(
+                f"The prompt has {n} tokens but this instance's KV cache holds at most {room} tokens.",
+                param="prompt",
+            )
         bad = next((t for t in input_ids if not 0 <= t < self.limits.vocab_size), None)
         if bad is not None:
             raise InvalidRequestError(
@@ -149,8 +155,13 @@ class Scheduler:
             need = sum(self.pool.pages_for(r.kv_len + 1) - len(r.pages) for r in batch)
             if self._make_room(need):
                 break
-            victim = batch.pop()  # the newest request gives way
-            self._preempt(victim)
+            chunking = [r for r in self.running if r.is_prefilling]
+            if chunking:  # half-prefilled requests give way first: decoders are closer to done
+                self._preempt(max(chunking, key=lambda r: r.arrival))
+            elif len(batch) == 1:  # alone and still no room: the KV cache cannot hold this sequence
+                self._finish(batch.pop(), "length")
+            else:
+                self._preempt(batch.pop())  # the newest request gives way
         if not batch:
             return None
         plan = BatchPlan("decode", [], [], [], [], [], [])
