@@ -11,7 +11,8 @@ def hf_greedy(hf_model: torch.nn.Module, prompt: list[int], n: int) -> tuple[lis
     ids = list(prompt)
     out, gaps = [], []
     for _ in range(n):
-        logits = hf_model(torch.tensor([ids])).logits[0, -1].float()
+        device = next(hf_model.parameters()).device
+        logits = hf_model(torch.tensor([ids], device=device)).logits[0, -1].float()
         top2 = logits.topk(2).values
         gaps.append(float(top2[0] - top2[1]))
         tok = int(logits.argmax())
