@@ -44,5 +44,5 @@ class KVEvents:
     def drain(self) -> tuple[list[int], list[int]]:
         stored, removed = self.stored, self.removed
         self.stored, self.removed = [], []
-        gone = set(removed)
-        return [h for h in stored if h not in gone], [h for h in removed if h not in set(stored)]
+        gone, kept = set(removed), set(stored)
+        return [h for h in stored if h not in gone], [h for h in removed if h not in kept]
