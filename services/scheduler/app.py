@@ -52,6 +52,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--detok-timeout", type=float, default=1.0, help="seconds before an unacked TokenDelta is sent again"
     )
+    parser.add_argument(
+        "--kv-event-block-size",
+        type=int,
+        default=16,
+        help="tokens per block in the prefix-cache KV events routers use (same on every instance and "
+        "tokenizer; 0 = publish none; radix cache only)",
+    )
     add_service_arguments(parser, drain_timeout_s=30.0)
 
 
@@ -77,6 +84,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         cuda_graph_max_bs=args.cuda_graph_max_bs,
         disable_overlap=args.disable_overlap,
         seed=args.seed,
+        kv_event_block_size=args.kv_event_block_size if args.cache == "radix" else 0,
     )
 
 
@@ -102,6 +110,7 @@ def main(args: argparse.Namespace) -> int:
                 service.engine_loaded,
                 service.engine_outputs,
                 service.engine_failed,
+                service.engine_kv_events,
             )
 
         return SchedulerService(
@@ -113,6 +122,7 @@ def main(args: argparse.Namespace) -> int:
             make_loop,
             stop,
             detok_timeout_s=args.detok_timeout,
+            kv_event_block_size=config.kv_event_block_size,
         )
 
     try:

@@ -1,8 +1,8 @@
 """The engine thread: owns the Engine and runs its blocking step loop, fed by commands from the event loop.
 
 NATS lives in asyncio on the main thread; the engine's compute blocks, so it runs here. The only ways in are
-commands on a thread-safe queue (add, abort, stats, stop); the only ways out are the callbacks given at
-construction, which the service makes thread-safe (loop.call_soon_threadsafe). Nothing here blocks on NATS.
+commands on a thread-safe queue (add, abort, stats, KV snapshot, stop); the only ways out are the callbacks given
+at construction, which the service makes thread-safe (loop.call_soon_threadsafe). Nothing here blocks on NATS.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from kubesgl.engine.engine import Engine
 from kubesgl.engine.sampling import SamplingParams
 from kubesgl.engine.types import EngineStats, ModelInfo, RequestOutput
 from kubesgl.errors import KubesglError
+from kubesgl.kv.radix import RadixCache
 from kubesgl.telemetry.scheduler import SchedulerTelemetry
 
 log = logging.getLogger("kubesgl.scheduler.engine")
@@ -45,11 +46,18 @@ class QueryStats:
 
 
 @dataclass(frozen=True)
+class KvSnapshotQuery:
+    """Every block the prefix cache holds, after handing over the KV events drained so far."""
+
+    done: Callable[[list[int]], None]
+
+
+@dataclass(frozen=True)
 class StopEngine:
     pass
 
 
-Command = AddRequest | AbortRequest | QueryStats | StopEngine
+Command = AddRequest | AbortRequest | QueryStats | KvSnapshotQuery | StopEngine
 
 
 class EngineLoop:
@@ -62,6 +70,7 @@ class EngineLoop:
         on_loaded: Callable[[ModelInfo], None],
         on_outputs: Callable[[list[RequestOutput], dict[str, str | None]], None],
         on_fatal: Callable[[BaseException], None],
+        on_kv_events: Callable[[list[int], list[int]], None] | None = None,
     ) -> None:
         self._make_engine = make_engine
         self._make_telemetry = make_telemetry
@@ -69,6 +78,7 @@ class EngineLoop:
         self._on_loaded = on_loaded
         self._on_outputs = on_outputs
         self._on_fatal = on_fatal
+        self._on_kv_events = on_kv_events
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self.stats: EngineStats | None = (
@@ -118,6 +128,7 @@ class EngineLoop:
                 outputs = engine.step()
                 if outputs:
                     self._on_outputs(outputs, telemetry.on_outputs(outputs))
+            self._hand_over_kv_events(engine)
             if (now := time.monotonic()) >= next_stats:
                 self.stats, next_stats = engine.stats(), now + _STATS_EVERY_S
 
@@ -144,3 +155,14 @@ class EngineLoop:
             engine.abort(command.rid)
         elif isinstance(command, QueryStats):
             command.done(engine.stats())
+        elif isinstance(command, KvSnapshotQuery):
+            self._hand_over_kv_events(engine)  # first, so the snapshot is exactly "as of" these events
+            cache, events = engine.cache, engine.kv_events
+            ok = isinstance(cache, RadixCache) and events is not None
+            command.done(cache.block_hashes(events.block_size) if ok else [])
+
+    def _hand_over_kv_events(self, engine: Engine) -> None:
+        if self._on_kv_events is not None:
+            stored, removed = engine.drain_kv_events()  # two list swaps when nothing changed
+            if stored or removed:
+                self._on_kv_events(stored, removed)

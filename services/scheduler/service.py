@@ -42,6 +42,7 @@ from kubesgl.protocol import (
 )
 from kubesgl.services.scheduler.delivery import deliver
 from kubesgl.services.scheduler.engine_loop import AbortRequest, AddRequest, EngineLoop, QueryStats
+from kubesgl.services.scheduler.kv_publisher import KvPublisher
 from kubesgl.services.scheduler.streams import RequestStream
 from kubesgl.telemetry.scheduler import SchedulerTelemetry
 from nats.aio.client import Client
@@ -66,6 +67,7 @@ class SchedulerService:
         stop: asyncio.Event,
         detok_timeout_s: float = 1.0,
         delivery_give_up_s: float = 30.0,
+        kv_event_block_size: int = 0,
     ) -> None:
         self.nc = nc
         self.instance_id = instance_id
@@ -90,6 +92,11 @@ class SchedulerService:
         self._tasks = TaskGroup()
         self._subs: list[Subscription] = []
         self._heartbeat_task: asyncio.Task[None] | None = None
+        self._kv = (
+            KvPublisher(nc, instance_id, kv_event_block_size, self._engine.submit, self._loaded)
+            if kv_event_block_size > 0
+            else None
+        )
 
     @property
     def telemetry(self) -> SchedulerTelemetry:
@@ -104,6 +111,10 @@ class SchedulerService:
     def engine_outputs(self, outputs: list[RequestOutput], parents: dict[str, str | None]) -> None:
         self._loop.call_soon_threadsafe(self._on_outputs, outputs, parents)
 
+    def engine_kv_events(self, stored: list[int], removed: list[int]) -> None:
+        if self._kv is not None:
+            self._kv.engine_events(stored, removed)
+
     def engine_failed(self, error: BaseException) -> None:
         self._loop.call_soon_threadsafe(self._on_engine_failed, error)
 
@@ -115,6 +126,8 @@ class SchedulerService:
             await self.nc.subscribe(ABORT, cb=self._on_abort),
             await self.nc.subscribe(stats_subject(self.instance_id), cb=self._on_stats),
         ]
+        if self._kv is not None:
+            await self._kv.start()
         self._heartbeat_task = self._loop.create_task(self._heartbeats())
 
     def nats_reconnected(self) -> None:
@@ -143,6 +156,8 @@ class SchedulerService:
             )
         if self._heartbeat_task is not None:
             self._heartbeat_task.cancel()
+        if self._kv is not None:
+            await self._kv.stop()
         await asyncio.to_thread(self._engine.stop, 60.0)
         await self._tasks.wait(2.0)
         for task in list(self._pumps.values()):
@@ -357,6 +372,9 @@ class SchedulerService:
             max_running_requests=self.max_running_requests,
             draining=self._draining,
             ts=time.time(),
+            kv_block_size=self._kv.block_size if self._kv else 0,
+            kv_epoch=self._kv.epoch if self._kv else "",
+            kv_seq=self._kv.seq if self._kv else 0,
         )
         try:
             await self.nc.publish(HEARTBEAT, hb.to_bytes())
