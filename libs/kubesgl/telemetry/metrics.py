@@ -289,11 +289,12 @@ class RequestStatus:
 
 
 class TokenizerMetrics:
-    """The tokenizer: its requests (tokenize + admission at a scheduler), tokenization time, NATS."""
+    """The tokenizer: its requests (tokenize + admission at a scheduler), tokenization time, routing, NATS."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.requests = StageMetrics(registry, "tokenizer")
         self.nats = NatsMetrics(registry, "tokenizer")
+        self.router = RouterMetrics(registry)
         self._tokenize = Histogram(
             "kubesgl_tokenizer_tokenize_duration_seconds",
             "CPU time to apply the chat template and tokenize one prompt.",
@@ -307,6 +308,68 @@ class TokenizerMetrics:
     def on_tokenized(self, seconds: float, prompt_tokens: int) -> None:
         self._tokenize.observe(seconds)
         self._prompt_tokens.inc(prompt_tokens)
+
+
+ROUTING_LATENCY_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05)
+OVERLAP_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+
+
+class RouterMetrics:
+    """The tokenizer's routing decisions and, for cache-aware routing, its prefix index of the instances."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._decisions = Counter(
+            "kubesgl_router_decisions_total",
+            "Routing decisions by policy and outcome (prefix: the chosen instance held part of the prompt; "
+            "load: no usable overlap; affinity: the session's instance).",
+            ["policy", "outcome"],
+            registry=registry,
+        )
+        self._latency = Histogram(
+            "kubesgl_router_decision_duration_seconds",
+            "Time to pick an instance for one request (hashing the prompt's blocks included).",
+            buckets=ROUTING_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self._overlap = Histogram(
+            "kubesgl_router_prefix_overlap_ratio",
+            "Share of the request's prompt blocks cached at the chosen instance, per cache-aware decision.",
+            buckets=OVERLAP_BUCKETS,
+            registry=registry,
+        )
+        self._index_blocks = Gauge(
+            "kubesgl_router_index_blocks",
+            "Prefix blocks the routing index holds per scheduler instance.",
+            ["instance"],
+            registry=registry,
+        )
+        self._index_size = Gauge(
+            "kubesgl_router_index_size", "Distinct prefix blocks in the routing index.", registry=registry
+        )
+        self._snapshots = Counter(
+            "kubesgl_router_kv_snapshots_total",
+            "KV snapshots requested from scheduler instances (late start, reconnect, lost events), by outcome.",
+            ["outcome"],
+            registry=registry,
+        )
+        self._indexed: set[str] = set()
+
+    def on_decision(self, policy: str, outcome: str, seconds: float, overlap: float | None) -> None:
+        self._decisions.labels(policy=policy, outcome=outcome).inc()
+        self._latency.observe(seconds)
+        if overlap is not None:
+            self._overlap.observe(overlap)
+
+    def on_index(self, blocks_by_instance: dict[str, int], size: int) -> None:
+        for gone in self._indexed - blocks_by_instance.keys():
+            self._index_blocks.remove(gone)
+        for instance, n in blocks_by_instance.items():
+            self._index_blocks.labels(instance=instance).set(n)
+        self._indexed = set(blocks_by_instance)
+        self._index_size.set(size)
+
+    def on_snapshot(self, outcome: str) -> None:
+        self._snapshots.labels(outcome=outcome).inc()
 
 
 class DetokenizerMetrics:
