@@ -39,8 +39,10 @@ from kubesgl.protocol import (
     headers,
     sampling_from_dict,
 )
-from kubesgl.routing import Router, SchedulerRegistry
+from kubesgl.routing import SchedulerRegistry
+from kubesgl.services.tokenizer.kv_feed import KvFeed
 from kubesgl.services.tokenizer.prompt import check_context, prompt_ids
+from kubesgl.services.tokenizer.request_router import RequestRouter
 from kubesgl.telemetry.metrics import TokenizerMetrics
 from kubesgl.telemetry.tracing import (
     ATTR_MODEL,
@@ -65,12 +67,13 @@ class TokenizerService:
         nc: Client,
         tokenizer: ModelTokenizer,
         model: str,
-        router: Router,
+        router: RequestRouter,
         registry: SchedulerRegistry,
         metrics: TokenizerMetrics,
         tracing: Tracing,
         admit_timeout_s: float = 4.0,
         attempt_timeout_s: float = 2.0,
+        kv_feed: KvFeed | None = None,
     ) -> None:
         self.nc = nc
         self.tokenizer = tokenizer
@@ -79,6 +82,7 @@ class TokenizerService:
         self.registry = registry
         self.metrics = metrics
         self.tracing = tracing
+        self.kv_feed = kv_feed  # cache-aware routing's view of every instance's prefix cache
         # The whole admission (all scheduler attempts) stays under the gateway's per-attempt timeout.
         self.admit_timeout_s = admit_timeout_s
         self.attempt_timeout_s = attempt_timeout_s
@@ -94,6 +98,8 @@ class TokenizerService:
             await self.nc.subscribe(HEARTBEAT, cb=self._on_heartbeat),
             await self.nc.subscribe(TOKENIZE, queue=TOKENIZER_QUEUE, cb=self._on_tokenize),
         ]
+        if self.kv_feed is not None:
+            await self.kv_feed.start()
 
     def nats_reconnected(self) -> None:
         self.metrics.nats.on_reconnect()
@@ -110,14 +116,22 @@ class TokenizerService:
             with contextlib.suppress(Exception):  # a connection that is down has nothing to drain
                 await sub.unsubscribe()
         await self._tasks.wait(timeout_s)
+        if self.kv_feed is not None:
+            await self.kv_feed.stop()
         self._tokenize_thread.shutdown(wait=False)
         await close(self.nc)
 
     async def _on_heartbeat(self, msg: Msg) -> None:
         try:
-            self.registry.observe(Heartbeat.from_bytes(msg.data))
+            hb = Heartbeat.from_bytes(msg.data)
         except ProtocolError as e:
             log.warning("ignoring malformed heartbeat: %s", e)
+            return
+        self.registry.observe(hb)
+        if self.kv_feed is not None:
+            if hb.model == self.model:
+                self.kv_feed.on_heartbeat(hb)
+            self.kv_feed.retain(c.instance_id for c in self.registry.candidates(self.model))
 
     async def _on_tokenize(self, msg: Msg) -> None:
         self._tasks.spawn(self._handle(msg))
@@ -167,9 +181,11 @@ class TokenizerService:
             sampling=sampling,
             deadline=req.deadline,
         )
-        return await self._forward(gen, trace)
+        return await self._forward(gen, req.session_id, trace)
 
-    async def _forward(self, gen: GenerateRequest, trace: str | None) -> Admitted | ErrorReply:
+    async def _forward(
+        self, gen: GenerateRequest, session_id: str | None, trace: str | None
+    ) -> Admitted | ErrorReply:
         """Sends to the routed instance; a silent, gone or full instance makes it try the next one."""
         end = min(gen.deadline, time.time() + self.admit_timeout_s)
         tried: set[str] = set()
@@ -178,7 +194,7 @@ class TokenizerService:
             candidates = [c for c in self.registry.candidates(self.model) if c.instance_id not in tried]
             if not candidates:
                 break
-            instance = self.router.route(gen.input_ids, candidates)
+            instance = self.router.pick(gen.input_ids, session_id, candidates)
             tried.add(instance)
             self.registry.note_routed(instance)
             try:
@@ -193,6 +209,8 @@ class TokenizerService:
             except nats.errors.NoRespondersError:
                 log.warning("scheduler %s has no responder; dropping it until its next heartbeat", instance)
                 self.registry.forget(instance)
+                if self.kv_feed is not None:
+                    self.kv_feed.forget(instance)
                 continue
             except nats.errors.TimeoutError:
                 log.warning("scheduler %s did not answer admission of %s in time", instance, gen.rid)
