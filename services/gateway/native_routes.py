@@ -13,7 +13,7 @@ from kubesgl.openai_api.request_models import NativeGenerateRequest
 from kubesgl.protocol import TokenizeRequest
 from kubesgl.services.gateway.encoders import NativeEncoder
 from kubesgl.services.gateway.gateway import Gateway, gateway_of
-from kubesgl.services.gateway.openai_routes import fan_out
+from kubesgl.services.gateway.openai_routes import fan_out, session_id
 from kubesgl.services.gateway.request_scope import RequestScope
 from kubesgl.services.gateway.responder import respond
 
@@ -36,6 +36,7 @@ async def generate(body: NativeGenerateRequest, request: Request) -> Response:
             kind="completion",
             sampling={},
             deadline=gw.deadline(request),
+            session_id=session_id(request),
         )
         group = fan_out(gw, scope, base, [native_prompt(body.text, body.input_ids)], spec)
     except BaseException as e:

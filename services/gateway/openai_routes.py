@@ -43,6 +43,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
             messages=messages,
             add_generation_prompt=body.add_generation_prompt,
             chat_template_kwargs=body.chat_template_kwargs,
+            session_id=session_id(request, body.user),
         )
         group = fan_out(gw, scope, base, [None], spec)
     except BaseException as e:
@@ -68,6 +69,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
             kind="completion",
             sampling={},
             deadline=gw.deadline(request),
+            session_id=session_id(request, body.user),
         )
         group = fan_out(gw, scope, base, prompts, spec)
     except BaseException as e:
@@ -75,6 +77,14 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         raise
     encoder = CompletionEncoder(rid, body.model, len(prompts), spec.include_usage)
     return await respond(request, scope, group, encoder, spec.stream, spec.include_usage)
+
+
+SESSION_HEADER = "x-session-id"
+
+
+def session_id(request: Request, user: str | None = None) -> str | None:
+    """The session a router may keep on one instance: header x-session-id, else the OpenAI `user` field."""
+    return request.headers.get(SESSION_HEADER) or user or None
 
 
 def fan_out(
