@@ -44,6 +44,7 @@ class StackConfig:
     port: int = 8000  # gateway i listens on port + i; 0 = free ports
     nats_port: int = 0  # 0 = a free port
     scheduler_args: tuple[str, ...] = ()
+    tokenizer_args: tuple[str, ...] = ()
     gateway_args: tuple[str, ...] = ()
     log_level: str = "info"
     log_to_files: bool = True  # else children share the launcher's terminal
@@ -118,6 +119,8 @@ class Stack:
                 args += ["--served-model-name", c.served_model_name]
             if kind == "scheduler":
                 args += ["--instance-id", str(instance_id), *c.scheduler_args]
+            if kind == "tokenizer":
+                args += list(c.tokenizer_args)
             ready_url = f"http://127.0.0.1:{admin}/ready"
         log_path = self.workdir / f"{name}.log" if c.log_to_files else None
         out = open(log_path, "ab") if log_path else None  # noqa: SIM115 - the child owns it
@@ -221,6 +224,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per scheduler")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--scheduler-args", default="", help="extra scheduler flags, e.g. '--page-size 16'")
+    parser.add_argument(
+        "--tokenizer-args", default="", help="extra tokenizer flags, e.g. '--session-affinity'"
+    )
     parser.add_argument("--gateway-args", default="", help="extra gateway flags")
     parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for /ready")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -239,6 +245,7 @@ def main(args: argparse.Namespace) -> int:
         port=args.port,
         nats_port=args.nats_port,
         scheduler_args=("--tp", str(args.tp), "--device", args.device, *shlex.split(args.scheduler_args)),
+        tokenizer_args=tuple(shlex.split(args.tokenizer_args)),
         gateway_args=tuple(shlex.split(args.gateway_args)),
         log_level=args.log_level,
         log_to_files=False,
