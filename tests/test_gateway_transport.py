@@ -331,6 +331,18 @@ async def test_n_fans_out_into_indexed_child_requests(gateway, mesh) -> None:
     }
 
 
+async def test_the_session_reaches_the_tokenizer_from_the_header_or_user(gateway, mesh) -> None:
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=20) as client:
+        await client.post("/v1/chat/completions", json=_chat(user="alice"))
+        await client.post(
+            "/v1/completions",
+            json={"model": MODEL, "prompt": "hi", "user": "alice"},
+            headers={"x-session-id": "s-1"},
+        )
+        await client.post("/v1/chat/completions", json=_chat())
+    assert [req.session_id for req in mesh.requests] == ["alice", "s-1", None]
+
+
 async def test_client_disconnect_mid_stream_aborts_the_request(gateway, mesh) -> None:
     mesh.plan = lambda req: [_delta(req.rid, mesh.instance, 0, "first")]  # and then it keeps "generating"
     async with (
