@@ -415,3 +415,16 @@ def test_bench_serve_drives_the_gateway_and_reports_latencies(url, capsys) -> No
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert res["failed"] == 0 and res["output_tokens"] == res["requested_output_tokens"]
     assert 0 < res["ttft_p50_s"] <= res["ttft_p99_s"] and res["itl_p50_s"] > 0 and res["output_tok_s"] > 0
+
+
+def test_bench_serve_shared_prefix_reports_the_cache_hit_rate(url, capsys) -> None:
+    parser = argparse.ArgumentParser()
+    bench_serve.add_arguments(parser)
+    flags = "--workload shared-prefix --groups 2 --conversations 2 --turns 2 --prefix-len 48 --turn-input 8"
+    args = parser.parse_args(["--url", url, *flags.split(), "--turn-output", "4"])
+    assert bench_serve.main(args) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert res["requests"] == 8 and res["failed"] == 0 and res["output_tokens"] == 8 * 4
+    # Every second turn finds at least its own first turn's prompt (prefix + user tokens) cached.
+    assert res["cached_tokens"] >= 4 * (48 + 8) and 0 < res["cache_hit_rate"] < 1
+    assert 0 < res["ttft_p50_s"] <= res["ttft_p99_s"]

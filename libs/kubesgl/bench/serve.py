@@ -8,6 +8,8 @@ sent at once (or `--max-concurrency` at a time). Reported: output tok/s over the
 ITL p50/p99 (gaps between streamed chunks, as a client sees them) and TPOT (per request, (last - first
 chunk) / (tokens - 1)). With `--model`, the offline LLM then runs the same requests: the ratio
 serving/offline, and the TTFT the bus adds (one request alone, through the gateway vs. offline prefill).
+`--workload shared-prefix` runs multi-turn conversations over shared prefixes instead (shared_prefix.py) and
+adds the cache hit rate, to compare routing policies.
 """
 
 from __future__ import annotations
@@ -18,25 +20,15 @@ import json
 import os
 import statistics
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-import numpy as np
 
+from kubesgl.bench import shared_prefix
 from kubesgl.bench.offline import make_workload
+from kubesgl.bench.timing import RequestTiming, percentile
 
 SINGLE_TTFT_RUNS = 5
-
-
-@dataclass
-class RequestTiming:
-    ttft: float | None = None
-    gaps: list[float] = field(default_factory=list)
-    first: float | None = None
-    last: float | None = None
-    completion_tokens: int = 0
-    error: str | None = None
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -55,11 +47,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=1, help="offline LLM page size (match the scheduler's)")
     p.add_argument("--num-pages", type=int, default=None, help="offline LLM KV pages")
     p.add_argument("--json", default=None, help="append the figures as one JSON line to this file")
+    p.add_argument(
+        "--workload",
+        default="seed",
+        choices=["seed", "shared-prefix"],
+        help="seed: the seed workload shape; shared-prefix: multi-turn groups sharing a long prefix",
+    )
+    shared_prefix.add_arguments(p)
 
 
 def main(args: argparse.Namespace) -> int:
-    prompts, max_tokens = make_workload(args)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    if args.workload == "shared-prefix":
+        return _report(asyncio.run(_serve_shared_prefix(args, headers)), args)
+    prompts, max_tokens = make_workload(args)
     res: dict[str, Any] = {
         "requests": len(prompts),
         "prompt_tokens": sum(map(len, prompts)),
@@ -70,6 +71,10 @@ def main(args: argparse.Namespace) -> int:
         res.update(_offline(args, prompts, max_tokens))
         res["serving_over_offline"] = round(res["output_tok_s"] / res["offline_output_tok_s"], 3)
         res["bus_ttft_overhead_s"] = round(res["single_ttft_s"] - res["offline_single_ttft_s"], 4)
+    return _report(res, args)
+
+
+def _report(res: dict[str, Any], args: argparse.Namespace) -> int:
     _print(res)
     if args.json:
         with open(args.json, "a") as f:
@@ -77,12 +82,27 @@ def main(args: argparse.Namespace) -> int:
     return 0 if res["failed"] == 0 else 1
 
 
+def _client(args: argparse.Namespace, headers: dict[str, str]) -> httpx.AsyncClient:
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    timeout = httpx.Timeout(30.0, read=None)
+    return httpx.AsyncClient(base_url=args.url, headers=headers, limits=limits, timeout=timeout)
+
+
+async def _serve_shared_prefix(args: argparse.Namespace, headers: dict[str, str]) -> dict[str, Any]:
+    async with _client(args, headers) as http:
+        model = args.served_model or await _first_model(http)
+        await _stream(http, model, [1, 2, 3, 4, 5, 6, 7, 8], 2, args.temperature)  # warm-up
+
+        async def send(ids: list[int], n: int) -> RequestTiming:
+            return await _stream(http, model, ids, n, args.temperature)
+
+        return {"served_model": model, **await shared_prefix.run(send, args)}
+
+
 async def _serve(
     args: argparse.Namespace, prompts: list[list[int]], max_tokens: list[int], headers: dict[str, str]
 ) -> dict[str, Any]:
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    timeout = httpx.Timeout(30.0, read=None)
-    async with httpx.AsyncClient(base_url=args.url, headers=headers, limits=limits, timeout=timeout) as http:
+    async with _client(args, headers) as http:
         model = args.served_model or await _first_model(http)
         await _stream(http, model, prompts[0][:8], 2, args.temperature)  # warm-up
         gate = asyncio.Semaphore(args.max_concurrency or len(prompts))
@@ -113,11 +133,11 @@ async def _serve(
         "output_tokens": out_tokens,
         "seconds": round(wall, 3),
         "output_tok_s": round(out_tokens / wall, 2),
-        "ttft_p50_s": _pct([t.ttft for t in ok if t.ttft is not None], 50),
-        "ttft_p99_s": _pct([t.ttft for t in ok if t.ttft is not None], 99),
-        "itl_p50_s": _pct(gaps, 50),
-        "itl_p99_s": _pct(gaps, 99),
-        "tpot_p50_s": _pct(tpots, 50),
+        "ttft_p50_s": percentile([t.ttft for t in ok if t.ttft is not None], 50),
+        "ttft_p99_s": percentile([t.ttft for t in ok if t.ttft is not None], 99),
+        "itl_p50_s": percentile(gaps, 50),
+        "itl_p99_s": percentile(gaps, 99),
+        "tpot_p50_s": percentile(tpots, 50),
         "single_ttft_s": round(statistics.median(t.ttft or float("nan") for t in singles), 4),
     }
 
@@ -144,24 +164,10 @@ async def _stream(
                 return timing
             async for line in r.aiter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
-                    _on_event(timing, json.loads(line[6:]), time.perf_counter() - start)
+                    timing.on_event(json.loads(line[6:]), time.perf_counter() - start)
     except httpx.HTTPError as e:
         timing.error = f"{type(e).__name__}: {e}"
     return timing
-
-
-def _on_event(timing: RequestTiming, event: dict[str, Any], now: float) -> None:
-    if "error" in event:
-        timing.error = str(event["error"].get("message"))
-        return
-    if event.get("usage"):
-        timing.completion_tokens = event["usage"]["completion_tokens"]
-    if any(c.get("text") for c in event.get("choices", ())):
-        if timing.first is None:
-            timing.ttft = timing.first = now
-        else:
-            timing.gaps.append(now - (timing.last or now))
-        timing.last = now
 
 
 def _offline(args: argparse.Namespace, prompts: list[list[int]], max_tokens: list[int]) -> dict[str, Any]:
@@ -200,20 +206,27 @@ async def _first_model(http: httpx.AsyncClient) -> str:
     return data[0]["id"]
 
 
-def _pct(values: list[float], q: float) -> float | None:
-    return round(float(np.percentile(values, q)), 4) if values else None
-
-
 def _print(res: dict[str, Any]) -> None:
     rows = [
         ("requests (failed)", f"{res['requests']} ({res['failed']})"),
         ("prompt / output tokens", f"{res['prompt_tokens']} / {res['output_tokens']}"),
         ("output tok/s (serving)", res["output_tok_s"]),
         ("TTFT p50 / p99 (s)", f"{res['ttft_p50_s']} / {res['ttft_p99_s']}"),
-        ("ITL p50 / p99 (s)", f"{res['itl_p50_s']} / {res['itl_p99_s']}"),
-        ("TPOT p50 (s)", res["tpot_p50_s"]),
-        ("single-request TTFT (s)", res["single_ttft_s"]),
     ]
+    if "cache_hit_rate" in res:
+        rows += [
+            ("cache hit rate (cached / prompt tokens)", res["cache_hit_rate"]),
+            (
+                "TTFT p50 first / later turns (s)",
+                f"{res['ttft_first_turn_p50_s']} / {res['ttft_later_turns_p50_s']}",
+            ),
+        ]
+    if "itl_p50_s" in res:
+        rows += [
+            ("ITL p50 / p99 (s)", f"{res['itl_p50_s']} / {res['itl_p99_s']}"),
+            ("TPOT p50 (s)", res["tpot_p50_s"]),
+            ("single-request TTFT (s)", res["single_ttft_s"]),
+        ]
     if "offline_output_tok_s" in res:
         rows += [
             ("output tok/s (offline LLM)", res["offline_output_tok_s"]),
