@@ -6,11 +6,10 @@ import random
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
-
 from engine_helpers import assert_greedy_match, hf_greedy
 from kubesgl import LLM, SamplingParams
 from kubesgl.models.random_init import build_random_model
+from transformers import AutoModelForCausalLM
 
 ARCHS = ["qwen3", "qwen2", "llama", "qwen3_moe"]
 N_NEW = 12
@@ -63,7 +62,9 @@ def test_greedy_matches_hf(arch: str, models: dict[str, str], references: dict) 
     ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()),
 )
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
-def test_greedy_matches_hf_under_engine_configs(arch: str, config: dict, models: dict, references: dict) -> None:
+def test_greedy_matches_hf_under_engine_configs(
+    arch: str, config: dict, models: dict, references: dict
+) -> None:
     with LLM(models[arch], **config) as llm:
         _check(llm, references[arch])
 
