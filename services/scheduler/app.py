@@ -54,12 +54,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--kv-event-block-size",
-        type=int,
+        type=_non_negative_int,
         default=16,
         help="tokens per block in the prefix-cache KV events routers use (same on every instance and "
         "tokenizer; 0 = publish none; radix cache only)",
     )
     add_service_arguments(parser, drain_timeout_s=30.0)
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
