@@ -87,6 +87,21 @@ def test_running_requests_were_seen(scraped: tuple[Stack, PrometheusServer]) -> 
 
 def test_token_counters_agree_across_services(scraped: tuple[Stack, PrometheusServer]) -> None:
     _, prometheus = scraped
+    # The last deltas reach the detokenizer and gateway after the scheduler finishes: give the counters a
+    # few scrapes to settle (they must then agree exactly).
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        counts = [
+            scalar(prometheus, q)
+            for q in (
+                "sum(sglang:generation_tokens_total)",
+                "sum(kubesgl_detokenizer_tokens_total)",
+                "sum(kubesgl_gateway_completion_tokens_total)",
+            )
+        ]
+        if len(set(counts)) == 1:
+            break
+        time.sleep(1)
     generated = scalar(prometheus, "sum(sglang:generation_tokens_total)")
     streamed = scalar(prometheus, "sum(kubesgl_gateway_completion_tokens_total)")
     detokenized = scalar(prometheus, "sum(kubesgl_detokenizer_tokens_total)")
