@@ -113,6 +113,8 @@ class SteadyLoad:
                     elif event.get("choices"):
                         text += event["choices"][0]["text"]
                         finish = event["choices"][0].get("finish_reason") or finish
+        except httpx.TimeoutException:
+            return "hung", None, f"no data for {self.request_timeout_s} s"
         except (httpx.HTTPError, json.JSONDecodeError) as e:
             return "lost", None, f"stream broke: {type(e).__name__}: {e}"
         if error is not None and error.get("message") and done:
