@@ -13,7 +13,10 @@ _PR_SET_PDEATHSIG = 1
 
 
 def parent_death_signal() -> None:
-    """preexec_fn: the child gets SIGTERM when its parent dies (Linux), so a killed launcher leaves no orphans."""
+    """preexec_fn: the child gets SIGTERM when its parent dies (Linux), so a killed launcher leaves no orphans.
+
+    Linux ties this to the spawning *thread*: spawn from a long-lived thread (not asyncio.to_thread's pool),
+    or the child is signalled when that worker thread exits."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
