@@ -47,3 +47,23 @@ class ServiceUnavailableError(KubesglError):
 class DeadlineExceededError(KubesglError):
     status = 504
     type = "timeout"
+
+
+class AuthenticationError(KubesglError):
+    """Raised at the HTTP edge only, like the two below."""
+
+    status = 401
+    type = "authentication_error"
+    code = "invalid_api_key"
+
+
+class PayloadTooLargeError(KubesglError):
+    status = 413
+    type = "invalid_request_error"
+    code = "request_too_large"
+
+
+class RateLimitError(KubesglError):
+    status = 429
+    type = "rate_limit_error"
+    code = "concurrency_limit_exceeded"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import hmac
 from pathlib import Path
 
-from kubesgl.openai_api.http_errors import AuthenticationError
+from kubesgl.errors import AuthenticationError
 
 ANONYMOUS = "anonymous"
 

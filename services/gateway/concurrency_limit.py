@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from kubesgl.openai_api.http_errors import RateLimitError
+from kubesgl.errors import RateLimitError
 
 
 class Lease:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 
-from kubesgl.errors import KubesglError
-from kubesgl.openai_api.http_errors import PayloadTooLargeError, error_body
+from kubesgl.errors import KubesglError, PayloadTooLargeError
+from kubesgl.openai_api.http_errors import error_body
 from kubesgl.services.gateway.api_keys import ApiKeys
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 

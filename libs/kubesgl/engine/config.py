@@ -25,5 +25,4 @@ class EngineConfig:
     dummy_weight: bool = False
     seed: int = 0  # engine RNG for requests without a seed
     dist_port: int = 0  # torch.distributed rendezvous port for tp_size > 1 (0 = pick a free one)
-    moe_backend: str = "auto"
     kv_event_block_size: int = 0  # > 0: record prefix-cache KV events in blocks of this many tokens (routing)

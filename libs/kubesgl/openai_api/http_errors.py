@@ -1,5 +1,5 @@
-"""OpenAI error bodies, built from kubesgl errors and from request-validation failures; plus the errors only
-the HTTP edge raises (401, 413, 429). Errors other services report arrive via protocol.error_from_dict."""
+"""OpenAI error bodies, built from kubesgl errors and from request-validation failures. Errors other
+services report arrive via protocol.error_from_dict."""
 
 from __future__ import annotations
 
@@ -7,24 +7,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kubesgl.errors import InvalidRequestError, KubesglError
-
-
-class AuthenticationError(KubesglError):
-    status = 401
-    type = "authentication_error"
-    code = "invalid_api_key"
-
-
-class PayloadTooLargeError(KubesglError):
-    status = 413
-    type = "invalid_request_error"
-    code = "request_too_large"
-
-
-class RateLimitError(KubesglError):
-    status = 429
-    type = "rate_limit_error"
-    code = "concurrency_limit_exceeded"
 
 
 def error_body(err: KubesglError) -> dict[str, Any]:
