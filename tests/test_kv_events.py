@@ -28,12 +28,12 @@ def test_radix_insert_and_evict_emit_block_events(page_size: int) -> None:
     cache = RadixCache(page_size, pool, ev)
     toks = [random.Random(0).randrange(1000) for _ in range(36)]
     n_pages = 36 // page_size
-    handle, _ = cache.insert(toks, pool.alloc(n_pages), None)
+    handle, _ = cache.insert(toks, pool.alloc(n_pages))
     stored, removed = ev.drain()
     assert stored == block_hashes(toks, 8) and removed == []
     # A second sequence sharing 20 tokens adds only the blocks past the shared part.
     other = toks[:20] + [5] * 12
-    h2, _ = cache.insert(other, pool.alloc(32 // page_size), None)
+    h2, _ = cache.insert(other, pool.alloc(32 // page_size))
     stored, _ = ev.drain()
     assert stored == block_hashes(other, 8)[20 // 8 :]
     cache.release(handle)
@@ -71,7 +71,7 @@ def test_radix_block_hashes_equal_the_net_event_stream(page_size: int) -> None:
             continue
         if pool.num_free < len(toks) // page_size:
             cache.evict(len(toks))
-        handle, _ = cache.insert(toks, pool.alloc(len(toks) // page_size), None)
+        handle, _ = cache.insert(toks, pool.alloc(len(toks) // page_size))
         cache.release(handle)
         if rng.random() < 0.3:
             cache.evict(rng.randrange(1, 20))

@@ -237,14 +237,9 @@ class Scheduler:
 
     def _release(self, req: Req) -> None:
         """Gives the request's KV to the prefix cache (what is reusable) and the pool (the rest)."""
-        valid = min(req.kv_len, req.num_known)
-        n_full = valid // self.pool.page_size
-        handle, canon = self.cache.insert(
-            req.all_ids[: n_full * self.pool.page_size], req.pages[:n_full], None
-        )
-        self.cache.release(handle)
+        self._cache_prefix(req, min(req.kv_len, req.num_known))
         self.cache.release(req.cache_handle)
-        self.pool.free(req.pages[len(canon) :])
+        self.pool.free(req.pages[req.tree_pages :])
         self._free_slots.append(req.slot)
         self.running.remove(req)
         req.slot, req.pages, req.tree_pages, req.cache_handle, req.kv_len = -1, [], 0, None, 0
@@ -286,12 +281,9 @@ class Scheduler:
                 self._finish(req, "stop")
             elif len(req.output_ids) >= p.max_tokens or req.num_known >= self.limits.context_len:
                 self._finish(req, "length")
-            elif plan.mode == "extend":
-                self._cache_prompt(req)  # prefill just completed: share its prompt with later requests
-        outputs = [self._output(r) for r in touched if not r.finished]
-        outputs += [self._output(r) for r in self._finished_unreported]
-        self._finished_unreported.clear()
-        return outputs
+            elif plan.mode == "extend":  # prefill just completed: share the prompt with later requests
+                self._cache_prefix(req, min(req.prefill_target, req.num_known))
+        return [self._output(r) for r in touched if not r.finished] + self.drain_finished()
 
     def drain_finished(self) -> list[RequestOutput]:
         """Outputs of requests finished outside a step (aborts)."""
@@ -299,17 +291,11 @@ class Scheduler:
         self._finished_unreported.clear()
         return outs
 
-    def _cache_prompt(self, req: Req) -> None:
-        """After prefill, shares the prompt's full pages through the prefix cache while the request runs."""
-        n_full = min(req.prefill_target, req.num_known) // self.pool.page_size
-        if n_full == 0:
-            return
-        handle, canon = self.cache.insert(
-            req.all_ids[: n_full * self.pool.page_size], req.pages[:n_full], None
-        )
-        if not canon:
-            self.cache.release(handle)
-            return
+    def _cache_prefix(self, req: Req, num_tokens: int) -> None:
+        """Puts the full pages of the request's first `num_tokens` tokens in the prefix cache; the request
+        keeps them, now owned and locked by the cache (an identical copy cached meanwhile replaces ours)."""
+        n_full = num_tokens // self.pool.page_size
+        handle, canon = self.cache.insert(req.all_ids[: n_full * self.pool.page_size], req.pages[:n_full])
         self.cache.release(req.cache_handle)
         req.cache_handle = handle
         if canon != req.pages[: len(canon)]:

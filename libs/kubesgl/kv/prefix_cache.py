@@ -12,9 +12,9 @@ class PrefixCache(Protocol):
         """Longest cached page-aligned prefix of `tokens`: (handle, pages). The handle is locked."""
         ...
 
-    def insert(self, tokens: list[int], pages: list[int], old: object) -> tuple[object, list[int]]:
-        """Caches `pages` (page-aligned KV of `tokens`); unlocks `old`, locks and returns the new handle and
-        the canonical pages for `tokens`. Pages of the caller that duplicate cached ones are freed by the cache."""
+    def insert(self, tokens: list[int], pages: list[int]) -> tuple[object, list[int]]:
+        """Caches `pages` (page-aligned KV of `tokens`); returns a locked handle and the canonical pages for
+        `tokens`. Pages of the caller that duplicate cached ones are freed by the cache."""
         ...
 
     def release(self, handle: object) -> None:
@@ -41,7 +41,7 @@ class NaiveCache:
     def match_prefix(self, tokens: list[int]) -> tuple[object, list[int]]:
         return None, []
 
-    def insert(self, tokens: list[int], pages: list[int], old: object) -> tuple[object, list[int]]:
+    def insert(self, tokens: list[int], pages: list[int]) -> tuple[object, list[int]]:
         return None, []
 
     def release(self, handle: object) -> None:

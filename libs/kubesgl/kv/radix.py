@@ -104,7 +104,7 @@ class RadixCache:
         self._lock(node, +1)
         return node, pages
 
-    def insert(self, tokens: list[int], pages: list[int], old: object) -> tuple[object, list[int]]:
+    def insert(self, tokens: list[int], pages: list[int]) -> tuple[object, list[int]]:
         ps = self.page_size
         n_full = min(len(tokens) // ps, len(pages))
         tokens = tokens[: n_full * ps]
@@ -121,8 +121,6 @@ class RadixCache:
             canon = canon + leaf.pages
             node = leaf
         self._lock(node, +1)
-        if old is not None:
-            self._lock(old, -1)  # type: ignore[arg-type]
         return node, canon
 
     def release(self, handle: object) -> None:
