@@ -18,6 +18,14 @@ case "${1:-full}" in
     $B --model Qwen3-0.6B --hf-baseline 32
     $B --model Qwen3-0.6B --disable-overlap
     ;;
+  trace)  # kernel-level decode trace; an older tree to compare may be carried in .whl/old (git archive)
+    T="python3 benchmark/kernel_trace.py --model Qwen3-0.6B --batch-sizes 1,64,256 --context 800"
+    timeout 200 $T --json "$OUT/trace.jsonl" 2>&1 | tee "$OUT/trace.txt"
+    if [ -d .whl/old/libs ]; then
+      PYTHONPATH=/tmp/site:$PWD/.whl/old/libs:$PWD/.whl/old timeout 150 $T --json "$OUT/trace_old.jsonl" \
+        2>&1 | tee "$OUT/trace_old.txt"
+    fi
+    ;;
   b)
     $B --model Qwen3-14B
     $B --model Qwen3-0.6B --attn triton

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kubesgl.kernels import activation_triton, fused_moe_triton, norm_triton, rotary_triton
+from kubesgl.kernels import activation_triton, fused_moe_triton, norm_triton, qkv_prep_triton, rotary_triton
 from kubesgl.kernels.activation import silu_and_mul, silu_and_mul_torch
 from kubesgl.kernels.fused_moe import fused_moe
 from kubesgl.kernels.norm import fused_add_rms_norm, rms_norm, rms_norm_torch
+from kubesgl.kernels.qkv_prep import qkv_prep, qkv_prep_torch
 from kubesgl.kernels.rotary import apply_rotary_neox, apply_rotary_neox_torch
 from kubesgl.layers.moe import experts_forward, route_topk
 from kubesgl.layers.rotary import RotaryEmbedding
@@ -132,6 +133,76 @@ def test_align_to_experts_tiles_hold_one_expert_and_every_assignment_once() -> N
             assert (flat[members] == expert).all()
 
 
+def qkv_prep_case(
+    heads: int, kv_heads: int, head_dim: int, tokens: int, norm: bool, dtype: torch.dtype, device: str
+) -> dict:
+    """Inputs for qkv_prep: a fused qkv row per token, positions, distinct cache slots in a 40-slot cache."""
+    rope = RotaryEmbedding(head_dim=head_dim, max_position=512, base=1e6).to(device)
+    gen = torch.Generator().manual_seed(heads * 100 + tokens)
+    slots = 40
+    return {
+        "qkv": randn(tokens, (heads + 2 * kv_heads) * head_dim, seed=20, dtype=dtype, device=device),
+        "positions": torch.randint(0, 512, (tokens,), generator=gen).to(device),
+        "out_loc": torch.randperm(slots, generator=gen)[:tokens].to(device),
+        "cos": rope.cos,
+        "sin": rope.sin,
+        "q_norm_weight": randn(head_dim, seed=21, dtype=dtype, device=device) if norm else None,
+        "k_norm_weight": randn(head_dim, seed=22, dtype=dtype, device=device) if norm else None,
+        "eps": 1e-6,
+        "k_cache": torch.zeros(slots, kv_heads, head_dim, dtype=dtype, device=device),
+        "v_cache": torch.zeros(slots, kv_heads, head_dim, dtype=dtype, device=device),
+        "num_q_heads": heads,
+        "num_kv_heads": kv_heads,
+    }
+
+
+def check_qkv_prep(fn, case: dict, tol: float) -> None:  # noqa: ANN001
+    ref = {**case, "k_cache": case["k_cache"].clone(), "v_cache": case["v_cache"].clone()}
+    q_ref = qkv_prep_torch(**ref)
+    q = fn(**case)
+    assert q.shape == q_ref.shape and q.is_contiguous()
+    assert rel_err(q, q_ref) < tol
+    assert rel_err(case["k_cache"], ref["k_cache"]) < tol
+    assert torch.equal(case["v_cache"], ref["v_cache"])  # v is copied, bit for bit
+    untouched = torch.ones(case["k_cache"].shape[0], dtype=torch.bool)
+    untouched[case["out_loc"].cpu()] = False
+    assert not case["k_cache"][untouched.to(q.device)].any()  # nothing written outside out_loc
+
+
+@cpu_interpreter
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "norm"),
+    [(4, 2, 32, True), (6, 3, 32, True), (4, 4, 16, False), (2, 1, 24, True)],
+    ids=["qwen3_like", "heads_not_pow2", "no_qk_norm", "head_dim_not_pow2"],
+)
+def test_triton_qkv_prep_matches_unfused_ops(heads: int, kv_heads: int, head_dim: int, norm: bool) -> None:
+    case = qkv_prep_case(heads, kv_heads, head_dim, tokens=7, norm=norm, dtype=torch.float32, device="cpu")
+    check_qkv_prep(qkv_prep_triton.qkv_prep, case, 1e-6)
+
+
+def test_qkv_prep_torch_equals_the_layer_ops_it_replaces() -> None:
+    """The reference is the unfused layer path: per-head RMSNorm, RoPE, then the KV cache store."""
+    case = qkv_prep_case(4, 2, 32, tokens=5, norm=True, dtype=torch.float32, device="cpu")
+    q_ref = qkv_prep_torch(**case)
+    q, k, v = case["qkv"].split([128, 64, 64], dim=-1)
+    q, k = (
+        rms_norm_torch(q.reshape(5, 4, 32), case["q_norm_weight"], 1e-6),
+        rms_norm_torch(k.reshape(5, 2, 32), case["k_norm_weight"], 1e-6),
+    )
+    rope = RotaryEmbedding(head_dim=32, max_position=512, base=1e6)
+    q2, k2 = rope(case["positions"], q.reshape(5, -1).clone(), k.reshape(5, -1).clone())
+    assert torch.allclose(q_ref.reshape(5, -1), q2, atol=1e-6)
+    assert torch.allclose(case["k_cache"][case["out_loc"]].reshape(5, -1), k2, atol=1e-6)
+    assert torch.equal(case["v_cache"][case["out_loc"]].reshape(5, -1), v)
+
+
+def test_qkv_prep_rejects_a_qkv_row_of_the_wrong_width() -> None:
+    case = qkv_prep_case(4, 2, 32, tokens=3, norm=True, dtype=torch.float32, device="cpu")
+    case["num_q_heads"] = 5
+    with pytest.raises(ValueError, match="qkv width"):
+        qkv_prep_triton.qkv_prep(**case)
+
+
 # --- GPU: compiled, bf16 -----------------------------------------------------------------------------
 
 
@@ -167,3 +238,19 @@ def test_gpu_norm_rotary_activation_match_torch() -> None:
 def test_gpu_fused_moe_matches_experts_forward(tokens: int) -> None:
     args = moe_inputs(tokens, seed=18, dtype=torch.bfloat16, device="cuda")
     assert rel_err(fused_moe(*args), experts_forward(*args)) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("tokens", [1, 256, 3000])
+def test_gpu_qkv_prep_matches_unfused_ops(tokens: int) -> None:
+    slots_needed = max(tokens, 40)
+    case = qkv_prep_case(16, 8, 128, tokens=min(tokens, 40), norm=True, dtype=torch.bfloat16, device="cuda")
+    if tokens > 40:  # a prefill-sized batch: a cache with room for every token
+        gen = torch.Generator().manual_seed(tokens)
+        case["qkv"] = randn(tokens, 32 * 128, seed=23, dtype=torch.bfloat16, device="cuda")
+        case["positions"] = torch.randint(0, 512, (tokens,), generator=gen).cuda()
+        case["out_loc"] = torch.randperm(slots_needed, generator=gen).cuda()
+        case["k_cache"] = torch.zeros(slots_needed, 8, 128, dtype=torch.bfloat16, device="cuda")
+        case["v_cache"] = torch.zeros_like(case["k_cache"])
+    check_qkv_prep(qkv_prep, case, 1e-2)

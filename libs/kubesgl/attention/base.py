@@ -49,8 +49,8 @@ class AttentionBackend(Protocol):
     def forward(
         self,
         q: torch.Tensor,  # [T, q_heads, head_dim]
-        k: torch.Tensor,  # [T, kv_heads, head_dim]
-        v: torch.Tensor,  # [T, kv_heads, head_dim]
+        k: torch.Tensor | None,  # [T, kv_heads, head_dim]; None: already in the cache at out_loc
+        v: torch.Tensor | None,  # [T, kv_heads, head_dim]; None with k
         layer: int,
         kv: KVCache,
         out_loc: torch.Tensor,  # [T] flat KV slots for the new tokens

@@ -30,8 +30,8 @@ class HybridAttention:
     def forward(
         self,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
         layer: int,
         kv: KVCache,
         out_loc: torch.Tensor,

@@ -148,8 +148,8 @@ class TritonAttention:
     def forward(
         self,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
         layer: int,
         kv: KVCache,
         out_loc: torch.Tensor,

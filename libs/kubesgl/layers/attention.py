@@ -22,13 +22,16 @@ class Attention(nn.Module):
         self.scale = scale
         self.layer_id = layer_id
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        """q [T, heads*D], k/v [T, kv_heads*D] -> [T, heads*D]."""
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, fb: ForwardBatch
+    ) -> torch.Tensor:
+        """q [T, heads*D], k/v [T, kv_heads*D] -> [T, heads*D]. k and v are None when the caller has already
+        written them to the cache (the fused `qkv_prep` path)."""
         t = q.shape[0]
         out = fb.attn.forward(
             q.view(t, self.num_heads, self.head_dim),
-            k.view(t, self.num_kv_heads, self.head_dim),
-            v.view(t, self.num_kv_heads, self.head_dim),
+            None if k is None else k.view(t, self.num_kv_heads, self.head_dim),
+            None if v is None else v.view(t, self.num_kv_heads, self.head_dim),
             self.layer_id,
             fb.kv,
             fb.out_loc,

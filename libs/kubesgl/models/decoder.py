@@ -15,6 +15,8 @@ from torch import nn
 
 from kubesgl.distributed import TPGroup
 from kubesgl.errors import UnsupportedModelError
+from kubesgl.kernels.dispatch import use_triton
+from kubesgl.kernels.qkv_prep import qkv_prep
 from kubesgl.layers.activation import SiluAndMul
 from kubesgl.layers.attention import Attention
 from kubesgl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -67,11 +69,32 @@ class DecoderAttention(nn.Module):
         return norm(x.view(t, -1, self.head_dim)).view(t, -1)  # type: ignore[union-attr]
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(hidden)
+        if use_triton(qkv):  # one kernel: q/k norms, RoPE, K/V into the cache; attention reads q only
+            return self.o_proj(self.attn(self._prep_fused(qkv, positions, fb), None, None, fb))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self._norm_heads(q, self.q_norm), self._norm_heads(k, self.k_norm)
         q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v.contiguous(), fb))
+
+    def _prep_fused(self, qkv: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        layer = self.attn.layer_id
+        qn, kn = self.q_norm, self.k_norm
+        return qkv_prep(
+            qkv,
+            positions,
+            fb.out_loc,
+            self.rotary_emb.cos,
+            self.rotary_emb.sin,
+            qn.weight if qn is not None else None,
+            kn.weight if kn is not None else None,
+            qn.eps if qn is not None else 0.0,
+            fb.kv.k_flat(layer),
+            fb.kv.v_flat(layer),
+            self.attn.num_heads,
+            self.attn.num_kv_heads,
+        )
 
 
 class DenseMLP(nn.Module):

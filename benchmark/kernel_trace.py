@@ -1,0 +1,125 @@
+"""Where a decode step's device time goes, kernel by kernel (torch.profiler over steady decode steps).
+
+For each batch size: `bs` requests with `--context`-token prompts are prefilled, decoded a few steps to warm
+up, then `--steps` decode steps run under torch.profiler (CUDA activity, which sees the kernels inside CUDA
+graph replays). Prints, per batch size, the step time by CUDA events, the kernel count and kernel time per
+step, and the top kernels by total time; `--json` appends one line per batch size.
+
+    python benchmark/kernel_trace.py --model Qwen3-0.6B --batch-sizes 1,64,256 --context 800
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import defaultdict
+from typing import Any
+
+
+def short(name: str, width: int = 90) -> str:
+    name = name.replace("void ", "")
+    return name if len(name) <= width else name[: width - 3] + "..."
+
+
+def trace_batch(llm: Any, bs: int, context: int, steps: int, top: int) -> dict[str, Any]:
+    import torch
+    from kubesgl import SamplingParams
+    from torch.profiler import ProfilerActivity, profile
+
+    eng = llm.engine
+    warm = 4
+    params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=warm + steps + 64)
+    rids = [f"trace-{bs}-{i}" for i in range(bs)]
+    for i, rid in enumerate(rids):
+        eng.add_request(rid, [(7 * i + j) % 10000 for j in range(context)], params)
+    produced: dict[str, int] = defaultdict(int)
+    while len(produced) < bs or min(produced.values()) < warm:  # prefill, then a few decode steps
+        for out in eng.step():
+            produced[out.rid] += len(out.new_token_ids)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start.record()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            eng.step()
+        end.record()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    step_ms = start.elapsed_time(end) / steps
+    kernels: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for ev in prof.events():
+        if ev.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        dur = getattr(ev, "device_time", None)
+        if dur is None:
+            dur = ev.cuda_time
+        k = kernels[ev.name]
+        k[0] += 1
+        k[1] += dur
+    total_us = sum(v[1] for v in kernels.values())
+    count = sum(v[0] for v in kernels.values())
+    for rid in rids:
+        eng.abort(rid)
+    while eng.has_work():
+        eng.step()
+    rows = sorted(kernels.items(), key=lambda kv: -kv[1][1])
+    print(
+        f"\n== bs {bs}, context {context}: {step_ms:.3f} ms/step (events), {wall / steps * 1e3:.3f} ms/step wall; "
+        f"{count / steps:.0f} device ops/step, {total_us / steps / 1e3:.3f} ms of kernels/step",
+        flush=True,
+    )
+    print(f"{'calls/step':>10} {'us/step':>9} {'us/call':>8}  kernel")
+    for name, (n, us) in rows[:top]:
+        print(f"{n / steps:10.1f} {us / steps:9.1f} {us / n:8.2f}  {short(name)}")
+    return {
+        "bs": bs,
+        "context": context,
+        "step_ms": round(step_ms, 4),
+        "ops_per_step": round(count / steps, 1),
+        "kernel_ms_per_step": round(total_us / steps / 1e3, 4),
+        "top": [
+            [short(name, 200), round(n / steps, 2), round(us / steps, 2)] for name, (n, us) in rows[:top]
+        ],
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="Qwen3-0.6B")
+    p.add_argument("--attn", default="auto")
+    p.add_argument("--batch-sizes", default="1,64,256")
+    p.add_argument("--context", type=int, default=800)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--cuda-graph-max-bs", type=int, default=None)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+
+    from kubesgl import LLM
+    from kubesgl.bench.offline import _resolve_model
+
+    model_dir, dummy = _resolve_model(args.model)
+    sizes = [int(s) for s in args.batch_sizes.split(",")]
+    llm = LLM(
+        model_dir,
+        device="cuda",
+        attn=args.attn,
+        dummy_weight=dummy,
+        max_running_requests=max(sizes),
+        cuda_graph_max_bs=args.cuda_graph_max_bs,
+    )
+    print(f"attention backend: {type(llm.engine.runner.attn).__name__}", flush=True)
+    for bs in sizes:
+        res = trace_batch(llm, bs, args.context, args.steps, args.top)
+        res.update(model=args.model, attn=type(llm.engine.runner.attn).__name__)
+        if args.json:
+            with open(args.json, "a") as f:
+                f.write(json.dumps(res) + "\n")
+    llm.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
