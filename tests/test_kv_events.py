@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 import pytest
 from kubesgl import LLM, SamplingParams
@@ -79,3 +80,94 @@ def test_radix_block_hashes_equal_the_net_event_stream(page_size: int) -> None:
         held = (held - set(removed)) | set(stored)
         snapshot = cache.block_hashes(8)
         assert len(snapshot) == len(set(snapshot)) and set(snapshot) == held
+
+
+def _cached_blocks(cache: RadixCache, seqs: list[list[int]], block_size: int) -> set[int]:
+    """From scratch: the block hashes of the part of each sequence the cache still holds."""
+    out: set[int] = set()
+    for s in seqs:
+        handle, pages = cache.match_prefix(s)
+        cache.release(handle)
+        out |= set(block_hashes(s[: len(pages) * cache.page_size], block_size))
+    return out
+
+
+@pytest.mark.parametrize("page_size", [1, 3, 4, 8, 16])
+def test_split_keeps_each_half_its_own_hashes(page_size: int) -> None:
+    """A page cut that is not a block boundary: the block it crosses goes with its last token, so evicting the
+    lower half reports exactly its blocks and a new branch under the upper half chains from the right hash."""
+    pool = PagePool(200, page_size)
+    ev = KVEvents(block_size=8)
+    cache = RadixCache(page_size, pool, ev)
+    rng = random.Random(page_size)
+    a = [rng.randrange(1000) for _ in range(48)]
+    cut = -(-12 // page_size) * page_size  # the first page boundary at or past 12 tokens
+    b = a[:cut] + [rng.randrange(1000, 2000) for _ in range(48 - cut)]
+    cache.release(cache.insert(a, pool.alloc(48 // page_size))[0])
+    ev.drain()
+    cache.release(cache.insert(b, pool.alloc(48 // page_size))[0])  # splits a's edge at `cut`
+    assert ev.drain() == (block_hashes(b, 8)[cut // 8 :], [])
+    assert cache.evict(1) == (48 - cut) // page_size  # a's lower half, the least recently used leaf
+    assert ev.drain() == ([], block_hashes(a, 8)[cut // 8 :])
+    cache.release(cache.insert(a, pool.alloc(48 // page_size))[0])  # hangs off the upper half again
+    assert ev.drain() == (block_hashes(a, 8)[cut // 8 :], [])
+    # A lookup that stops inside an edge splits it too. a's lower half starts mid-block (at 12 unless pages are
+    # 8 or 16 tokens) and is cut past the next block boundary, so its upper part owns that block.
+    deep = -(-24 // page_size) * page_size
+    cache.release(cache.match_prefix(a[:deep] + [-1] * page_size)[0])
+    cache.evict(1)  # b's lower half, the least recently used leaf now
+    assert ev.drain() == ([], block_hashes(b, 8)[cut // 8 :])
+    assert cache.evict(1) == (48 - deep) // page_size  # the part of a below the lookup's split
+    assert ev.drain() == ([], block_hashes(a, 8)[deep // 8 :])
+    cache.release(cache.insert(a, pool.alloc(48 // page_size))[0])
+    assert ev.drain() == (block_hashes(a, 8)[deep // 8 :], [])
+    assert sorted(cache.block_hashes(8)) == sorted(block_hashes(a, 8))
+    cache.evict(10_000)
+    stored, removed = ev.drain()
+    assert stored == [] and sorted(removed) == sorted(block_hashes(a, 8))
+
+
+@pytest.mark.parametrize("page_size", [1, 3, 8, 16])
+def test_cached_hashes_match_from_scratch_hashes_through_splits_and_evictions(page_size: int) -> None:
+    """Random inserts, lookups (which split edges) and evictions of sequences sharing prefixes: after each, the
+    events' net blocks equal the snapshot's, copy for copy, and the blocks hashed from scratch from what is cached.
+
+    When a page is longer than a block or not a multiple of it, two sibling edges can both hold the block that
+    ends inside their first page, so a block may be held (and stored) twice; events are counted, not a set."""
+    rng = random.Random(100 + page_size)
+    pool = PagePool(160 // page_size + 2, page_size)
+    ev = KVEvents(block_size=8)
+    cache = RadixCache(page_size, pool, ev)
+    stems = [[rng.randrange(1000) for _ in range(64)] for _ in range(3)]
+    seqs: list[list[int]] = []
+    held: Counter[int] = Counter()
+    for _ in range(60):
+        op = rng.random()
+        stem = stems[rng.randrange(3)]  # shared prefixes that part at any depth: edges split anywhere
+        toks = stem[: rng.randrange(64)] + [rng.randrange(3) for _ in range(rng.randrange(page_size, 24))]
+        toks = toks[: len(toks) - len(toks) % page_size]
+        if op < 0.5 and toks:
+            if pool.num_free < len(toks) // page_size:
+                cache.evict(len(toks) // page_size - pool.num_free)
+            cache.release(cache.insert(toks, pool.alloc(len(toks) // page_size))[0])
+            seqs.append(toks)
+        elif op < 0.8:
+            cache.release(cache.match_prefix(toks)[0])
+        else:
+            cache.evict(rng.randrange(1, 30))
+        stored, removed = ev.drain()
+        held.update(stored)
+        held.subtract(removed)
+        snapshot = cache.block_hashes(8)
+        assert min(held.values(), default=0) >= 0 and +held == Counter(snapshot)
+        assert set(snapshot) == _cached_blocks(cache, seqs, 8)
+        if 8 % page_size == 0:
+            assert len(snapshot) == len(set(snapshot))
+
+
+def test_snapshot_needs_the_events_block_size() -> None:
+    pool = PagePool(10, 1)
+    with pytest.raises(ValueError, match="blocks of 16 tokens"):
+        RadixCache(1, pool, KVEvents(block_size=8)).block_hashes(16)
+    with pytest.raises(ValueError, match="no KV events"):
+        RadixCache(1, pool).block_hashes(8)

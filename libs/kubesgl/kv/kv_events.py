@@ -31,15 +31,13 @@ class KVEvents:
     stored: list[int] = field(default_factory=list)
     removed: list[int] = field(default_factory=list)
 
-    def on_range(self, prefix: list[int], lo: int, hi: int, *, stored: bool) -> None:
-        """Tokens prefix[lo:hi] became cached (or stopped being): report the blocks that end inside (lo, hi]."""
-        b = self.block_size
-        first, last = lo // b, hi // b  # blocks first..last-1 end in (lo, hi]
-        if last <= first:
-            return
-        parent = block_hashes(prefix[: first * b], b)[-1] if first else 0
-        hashes = block_hashes(prefix[: last * b], b, start_block=first, parent=parent)
-        (self.stored if stored else self.removed).extend(hashes)
+    def on_stored(self, hashes: list[int]) -> None:
+        """The cache came to hold the last token of each of these blocks."""
+        self.stored += hashes
+
+    def on_removed(self, hashes: list[int]) -> None:
+        """The cache gave up the last token of each of these blocks."""
+        self.removed += hashes
 
     def drain(self) -> tuple[list[int], list[int]]:
         stored, removed = self.stored, self.removed

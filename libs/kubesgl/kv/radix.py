@@ -3,6 +3,9 @@
 Each edge holds a run of tokens whose length is a multiple of page_size, and the pages holding their KV.
 Requests lock the path to the node they use (reference counts), so in-use pages are never evicted;
 unreferenced leaves are evicted least-recently-used first.
+
+With KV events on, each node keeps the chained hashes of the blocks whose last token lies in its edge, so an
+insert hashes only its new blocks (chained from the nearest hash above it) and eviction reports the leaf's own.
 """
 
 from __future__ import annotations
@@ -16,12 +19,13 @@ from kubesgl.kv.page_pool import PagePool
 
 
 class _Node:
-    __slots__ = ("children", "key", "last_access", "pages", "parent", "ref")
+    __slots__ = ("children", "hashes", "key", "last_access", "pages", "parent", "ref")
 
-    def __init__(self, key: list[int], pages: list[int], parent: _Node | None) -> None:
+    def __init__(self, key: list[int], pages: list[int], parent: _Node | None, hashes: list[int]) -> None:
         self.key = key
         self.pages = pages
         self.parent = parent
+        self.hashes = hashes  # KV-event hashes of the blocks that end inside `key` ([] when events are off)
         self.children: dict[tuple[int, ...], _Node] = {}
         self.ref = 0
         self.last_access = time.monotonic()
@@ -32,7 +36,7 @@ class RadixCache:
         self.page_size = page_size
         self.pool = pool
         self.events = events  # when set, records the blocks this cache gains and loses (cache-aware routing)
-        self.root = _Node([], [], None)
+        self.root = _Node([], [], None, [])
         self.root.ref = 1  # the root is never evicted
         self._cached = 0
         self._protected = 0
@@ -68,19 +72,25 @@ class RadixCache:
                     break
                 n += 1
             if n < len(child.pages):
-                child = self._split(child, n)
+                child = self._split(child, n, at)
             child.last_access = now
             pages += child.pages
             at += len(child.key)
             node = child
         return node, pages, at
 
-    def _split(self, node: _Node, n_pages: int) -> _Node:
-        """Cuts `node` after `n_pages` pages; returns the new upper half (which keeps the parent edge)."""
+    def _split(self, node: _Node, n_pages: int, start: int) -> _Node:
+        """Cuts `node` (whose edge starts `start` tokens deep) after `n_pages` pages; returns the new upper half
+        (which keeps the parent edge)."""
         cut = n_pages * self.page_size
         parent = node.parent
         assert parent is not None
-        upper = _Node(node.key[:cut], node.pages[:n_pages], parent)
+        n_upper = 0  # hashes the upper half takes: a block goes with its last token (a page cut may split it)
+        if self.events is not None:
+            b = self.events.block_size
+            n_upper = (start + cut) // b - start // b
+        upper = _Node(node.key[:cut], node.pages[:n_pages], parent, node.hashes[:n_upper])
+        node.hashes = node.hashes[n_upper:]
         upper.ref = node.ref
         upper.last_access = node.last_access
         parent.children[self._edge(node.key, 0)] = upper
@@ -113,11 +123,14 @@ class RadixCache:
         dup = [mine for mine, theirs in zip(pages[: len(canon)], canon, strict=True) if mine != theirs]
         self.pool.free(dup)
         if at < len(tokens):
-            leaf = _Node(tokens[at:], pages[len(canon) : n_full], node)
+            hashes: list[int] = []
+            if self.events is not None:  # only the blocks ending in the new edge; the ones above are cached
+                b = self.events.block_size
+                hashes = block_hashes(tokens, b, start_block=at // b, parent=self._last_hash(node))
+                self.events.on_stored(hashes)
+            leaf = _Node(tokens[at:], pages[len(canon) : n_full], node, hashes)
             node.children[self._edge(leaf.key, 0)] = leaf
             self._cached += len(leaf.pages)
-            if self.events is not None:
-                self.events.on_range(tokens, at, len(tokens), stored=True)
             canon = canon + leaf.pages
             node = leaf
         self._lock(node, +1)
@@ -139,39 +152,32 @@ class RadixCache:
             self.pool.free(leaf.pages)
             freed += len(leaf.pages)
             if self.events is not None:
-                prefix = self._path_tokens(leaf)
-                self.events.on_range(prefix, len(prefix) - len(leaf.key), len(prefix), stored=False)
+                self.events.on_removed(leaf.hashes)
             self._cached -= len(leaf.pages)
             if parent is not self.root and not parent.children and parent.ref == 0:
                 heapq.heappush(heap, (parent.last_access, next(self._tick), parent))
         return freed
 
     def block_hashes(self, block_size: int) -> list[int]:
-        """Every whole block the cache holds now, as KV-event hashes (a router's snapshot; O(cached tokens))."""
+        """Every whole block the cache holds now, as KV-event hashes (a router's snapshot; no hashing)."""
+        if self.events is None or block_size != self.events.block_size:
+            have = self.events.block_size if self.events is not None else "no KV events"
+            raise ValueError(
+                f"a snapshot in blocks of {block_size} tokens needs KV events of that size ({have})"
+            )
         out: list[int] = []
-        tokens: list[int] = []  # the path from the root to the node being visited
-        chain: list[int] = []  # chain[j] = hash of block j of that path
-        stack: list[tuple[_Node, int, int] | _Node] = list(self.root.children.values())
+        stack = list(self.root.children.values())
         while stack:
-            item = stack.pop()
-            if isinstance(item, tuple):  # leaving a node: back to its parent's path
-                _, n_tokens, n_blocks = item
-                del tokens[n_tokens:], chain[n_blocks:]
-                continue
-            stack.append((item, len(tokens), len(chain)))
-            tokens += item.key
-            new = block_hashes(tokens, block_size, start_block=len(chain), parent=chain[-1] if chain else 0)
-            chain += new
-            out += new
-            stack.extend(item.children.values())
+            node = stack.pop()
+            out += node.hashes
+            stack.extend(node.children.values())
         return out
 
-    def _path_tokens(self, node: _Node) -> list[int]:
-        keys = []
-        while node is not None and node is not self.root:
-            keys.append(node.key)
-            node = node.parent
-        return [t for key in reversed(keys) for t in key]
+    def _last_hash(self, node: _Node) -> int:
+        """Hash of the last block ending at or above the end of `node` (0 if none: the chain's start)."""
+        while not node.hashes and node.parent is not None:
+            node = node.parent  # a run of hashless edges spans less than a block, so this stops soon
+        return node.hashes[-1] if node.hashes else 0
 
     def _leaves(self) -> list[_Node]:
         out, stack = [], [self.root]
