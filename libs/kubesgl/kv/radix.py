@@ -65,12 +65,10 @@ class RadixCache:
             child = node.children.get(self._edge(tokens, at))
             if child is None:
                 break
-            n = 0  # matched pages of child
-            while n < len(child.pages) and at + (n + 1) * ps <= limit:
-                lo = n * ps
-                if child.key[lo : lo + ps] != tokens[at + lo : at + lo + ps]:
-                    break
-                n += 1
+            n = min(len(child.pages), (limit - at) // ps)  # pages of child that `tokens` reaches
+            ours, theirs = tokens[at : at + n * ps], child.key[: n * ps]
+            if ours != theirs:  # one list compare in C; find the page only on a mismatch
+                n = next(i for i, (x, y) in enumerate(zip(ours, theirs, strict=True)) if x != y) // ps
             if n < len(child.pages):
                 child = self._split(child, n, at)
             child.last_access = now
