@@ -1,13 +1,28 @@
 """Stateless detokenization on the real Qwen3 tokenizer: any split of a token stream into deltas, each decoded
-by a fresh "replica", concatenates to exactly tokenizer.decode(all), multi-byte characters and BPE included."""
+by a fresh "replica", concatenates to exactly tokenizer.decode(all), multi-byte characters and BPE included.
+Then the detokenizer service over a real nats-server: TokenDeltaBatches whose entries belong to different
+requests and gateways, redelivered batches, and bad entries."""
 
 from __future__ import annotations
 
+import asyncio
 import random
+from collections.abc import AsyncIterator, Awaitable, Callable
 
+import nats
 import pytest
+from kubesgl import protocol as p
+from kubesgl.engine.types import RequestOutput
+from kubesgl.nats_server import NatsServer
+from kubesgl.services.detokenizer.service import DetokenizerService
+from kubesgl.services.gateway.request_stream import RequestStream as GatewayStream
+from kubesgl.services.scheduler.streams import RequestStream
+from kubesgl.telemetry.metrics import DetokenizerMetrics, new_registry
+from kubesgl.telemetry.tracing import Tracing
 from kubesgl.text.incremental import delta_text, delta_window
 from kubesgl.text.tokenizer import ModelTokenizer
+from nats.aio.client import Client
+from nats.aio.msg import Msg
 
 TEXTS = [
     "Hello, world! Tokenizers merge antidisestablishmentarianism into pieces.",
@@ -96,3 +111,160 @@ def test_long_run_of_invalid_bytes_is_not_lost_between_deltas(replicas: list[Mod
     for cut in range(1, len(ids)):
         assert _stream(replicas, ids, [cut], random.Random(cut)) == _reference(replicas, ids)
     assert _stream(replicas, ids, list(range(1, len(ids))), random.Random(3)) == "\ufffd" * 12 + " done"
+
+
+# -- the detokenizer service: TokenDeltaBatches over a real nats-server ----------------------------------------
+
+INSTANCE = "sched-0"
+
+
+class Bus:
+    """Two detokenizer replicas in the queue group, a sender playing the scheduler, and the inboxes of two
+    gateways, all on one real nats-server."""
+
+    def __init__(self, sender: Client, services: list[DetokenizerService]) -> None:
+        self.sender = sender
+        self.services = services
+        self.received: dict[str, list[tuple[str, bytes]]] = {}  # gateway id -> (rid, TextDelta body)
+
+    def inbox(self, gateway_id: str) -> Callable[[Msg], Awaitable[None]]:
+        async def on_delta(msg: Msg) -> None:
+            self.received.setdefault(gateway_id, []).append((msg.headers[p.HEADER_RID], msg.data))
+
+        return on_delta
+
+    async def send(self, body: bytes) -> p.BatchAck | p.ErrorReply:
+        msg = await self.sender.request(p.DETOK, body, timeout=10)
+        return p.decode(msg.data, p.BatchAck, p.ErrorReply)
+
+    async def wait_for(self, n: int) -> None:
+        """Until `n` TextDeltas arrived in all (they travel on other connections than the ack)."""
+        for _ in range(500):
+            if sum(len(v) for v in self.received.values()) >= n:
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"{n} TextDeltas expected, {self.received}")
+
+
+@pytest.fixture
+async def bus(nats_server: NatsServer, replicas: list[ModelTokenizer]) -> AsyncIterator[Bus]:
+    conns: list[Client] = []
+    services = []
+    for tok in replicas:
+        conns.append(await nats.connect(nats_server.url))
+        service = DetokenizerService(conns[-1], tok, DetokenizerMetrics(new_registry()), Tracing("test"))
+        await service.start()
+        services.append(service)
+    sender = await nats.connect(nats_server.url)
+    conns.append(sender)
+    b = Bus(sender, services)
+    for gw in ("gw-a", "gw-b"):
+        await sender.subscribe(p.gateway_subject(gw), cb=b.inbox(gw))
+    for c in conns:
+        await c.flush()
+    yield b
+    for c in conns:
+        await c.close()
+
+
+def _scheduler_deltas(
+    tok: ModelTokenizer, texts: dict[tuple[str, str], str], rng: random.Random
+) -> list[list[p.TokenDelta]]:
+    """The scheduler's deltas for requests (rid, gateway) generating `texts`, step by step: at each step every
+    unfinished request gets 1-3 new tokens and the scheduler's own RequestStream cuts its next delta."""
+    ids = {key: tok.encode(text) for key, text in texts.items()}
+    streams = {key: RequestStream(key[0], key[1], deadline=0.0, prompt_tokens=3) for key in texts}
+    steps: list[list[p.TokenDelta]] = []
+    while any(not s.final_sent for s in streams.values()):
+        step = []
+        for key, stream in streams.items():
+            if stream.final_sent:
+                continue
+            done = len(stream.output_ids)
+            new = ids[key][done : done + rng.randint(1, 3)]
+            total = done + len(new)
+            finished = total == len(ids[key])
+            reason = "stop" if finished else None
+            stream.add(RequestOutput(key[0], new, 3, 0, total, finished, reason), None)
+            step.append(stream.next_delta(INSTANCE))
+        steps.append(step)
+    return steps
+
+
+async def _texts_by_rid(bus: Bus) -> dict[str, str]:
+    """Each request's text as the gateway assembles it (its real reorder buffer: by seq, duplicates dropped)."""
+    gateway: dict[str, GatewayStream] = {}
+    for rid, body in (x for v in bus.received.values() for x in v):
+        stream = gateway.setdefault(rid, GatewayStream(rid))
+        stream.adopt(INSTANCE)
+        stream.offer(p.TextDelta.from_bytes(body))
+    out = {}
+    for rid, stream in gateway.items():
+        parts = []
+        while (delta := await stream.next(timeout=1.0)) is not None:
+            parts.append(delta.text)
+            if delta.finished:
+                break
+        else:
+            raise AssertionError(f"{rid} never finished")
+        out[rid] = "".join(parts)
+    return out
+
+
+TWO_GATEWAYS = {
+    ("a-1", "gw-a"): TEXTS[1],
+    ("b-1", "gw-b"): TEXTS[2],
+    ("a-2", "gw-a"): TEXTS[0],
+    ("b-2", "gw-b"): TEXTS[3],
+}
+
+
+async def test_a_batch_for_requests_on_two_gateways_decodes_each_entry_as_if_alone(bus: Bus) -> None:
+    steps = _scheduler_deltas(bus.services[0].tokenizer, TWO_GATEWAYS, random.Random(4))
+    for step in steps:
+        ((group, body),) = p.TokenDeltaBatch.pack(step, max_bytes=1 << 20)
+        assert len(group) == len(step)
+        assert await bus.send(body) == p.BatchAck()
+    all_deltas = [d for step in steps for d in step]
+    await bus.wait_for(len(all_deltas))
+    # Every TextDelta went to its own gateway, and is exactly what that TokenDelta decodes to on its own.
+    alone = {(d.rid, d.seq): bus.services[1].text_delta(d).to_bytes() for d in all_deltas}
+    for gw in ("gw-a", "gw-b"):
+        got = [p.TextDelta.from_bytes(body) for _, body in bus.received[gw]]
+        assert {d.rid[0] for d in got} == {gw[-1]}
+        assert all(alone[(d.rid, d.seq)] == d.to_bytes() for d in got)
+    assert len(bus.received["gw-a"]) + len(bus.received["gw-b"]) == len(all_deltas)
+    assert await _texts_by_rid(bus) == {rid: text for (rid, _), text in TWO_GATEWAYS.items()}
+
+
+async def test_a_redelivered_batch_duplicates_no_text(bus: Bus) -> None:
+    # A scheduler resends a batch whose ack it never saw (the replica died after publishing, or the ack was
+    # lost): any replica decodes it again to the same TextDeltas, which the gateway drops by seq.
+    steps = _scheduler_deltas(bus.services[0].tokenizer, TWO_GATEWAYS, random.Random(5))
+    sent = 0
+    for i, step in enumerate(steps):
+        ((_, body),) = p.TokenDeltaBatch.pack(step, max_bytes=1 << 20)
+        for _ in range(1 if i % 2 else 3):
+            assert await bus.send(body) == p.BatchAck()
+            sent += len(step)
+    await bus.wait_for(sent)
+    bodies: dict[tuple[str, int], set[bytes]] = {}
+    for rid, body in (x for v in bus.received.values() for x in v):
+        bodies.setdefault((rid, p.TextDelta.from_bytes(body).seq), set()).add(body)
+    assert all(len(b) == 1 for b in bodies.values())  # a redelivery is byte-for-byte the same TextDelta
+    assert await _texts_by_rid(bus) == {rid: text for (rid, _), text in TWO_GATEWAYS.items()}
+
+
+async def test_bad_entries_are_refused_alone_and_a_bad_batch_gets_an_error(bus: Bus) -> None:
+    good = _scheduler_deltas(bus.services[0].tokenizer, {("a-1", "gw-a"): "hi"}, random.Random(6))[0][0]
+    bad_gateway = p.TokenDelta("c-1", "gw.c", INSTANCE, 0, [1], 0)  # would publish to another subject
+    entries = [b"\x93not a map", good.to_bytes(), bad_gateway.to_bytes()]
+    ack = await bus.send(p.TokenDeltaBatch(entries).to_bytes())
+    assert isinstance(ack, p.BatchAck) and sorted(ack.refused) == [0, 2]
+    assert "not msgpack" in ack.refused[0] and "invalid subject token" in ack.refused[2]
+    await bus.wait_for(1)
+    assert [rid for rid, _ in bus.received["gw-a"]] == ["a-1"]
+    # A lone TokenDelta (the old body) or garbage: a clear 400, not silence.
+    for body, why in [(good.to_bytes(), "expected a TokenDeltaBatch"), (b"\xc1", "not msgpack")]:
+        reply = await bus.send(body)
+        assert isinstance(reply, p.ErrorReply) and reply.status == 400 and why in reply.message

@@ -9,6 +9,19 @@ from kubesgl.engine.sampling import SamplingParams
 from kubesgl.errors import ContextLengthError, KubesglError, ServiceUnavailableError
 
 
+def _delta(rid: str, seq: int = 0, gateway_id: str = "gw-a", tokens: int = 3) -> p.TokenDelta:
+    return p.TokenDelta(
+        rid=rid,
+        gateway_id=gateway_id,
+        instance_id="sched-0",
+        seq=seq,
+        tokens=list(range(5, 5 + tokens)),
+        new_from=min(2, tokens),
+        logprobs=[{"token_id": 7, "logprob": -0.5, "top": [[7, -0.5], [8, -1.0]]}],
+        traceparent="00-ab-cd-01",
+    )
+
+
 def _samples() -> list[p.Message]:
     sampling = p.sampling_to_dict(SamplingParams(max_tokens=4, temperature=0.0, stop_token_ids=(7, 9)))
     return [
@@ -40,16 +53,9 @@ def _samples() -> list[p.Message]:
             draining=False,
             ts=9.0,
         ),
-        p.TokenDelta(
-            rid="r1",
-            gateway_id="gw-a",
-            instance_id="sched-0",
-            seq=2,
-            tokens=[5, 6, 7],
-            new_from=2,
-            logprobs=[{"token_id": 7, "logprob": -0.5, "top": [[7, -0.5], [8, -1.0]]}],
-        ),
-        p.Ack(rid="r1", seq=2),
+        _delta("r1", seq=2),
+        p.TokenDeltaBatch(deltas=[_delta("r1").to_bytes(), _delta("r2", gateway_id="gw-b").to_bytes()]),
+        p.BatchAck(refused={1: "not a TokenDelta"}),
         p.TextDelta(
             rid="r1",
             instance_id="sched-0",
@@ -94,7 +100,7 @@ def test_decode_picks_the_reply_type() -> None:
     [
         b"\xc1garbage",
         msgpack.packb([1, 2]),
-        p.Ack(rid="r", seq=0).to_bytes(),
+        p.BatchAck().to_bytes(),
         msgpack.packb({"msg": "Admitted", "rid": "r"}),
     ],
 )
@@ -140,3 +146,39 @@ def test_headers_carry_rid_deadline_and_trace() -> None:
     assert h[p.HEADER_RID] == "r1" and h[p.HEADER_TRACEPARENT] == "00-ab-cd-01"
     assert p.header_deadline(h) == 1700000000.25
     assert p.header_deadline({p.HEADER_DEADLINE: "soon"}) is None
+
+
+def test_one_batch_carries_every_delta_that_fits_and_decodes_back_in_order() -> None:
+    deltas = [_delta(f"r{i}", seq=i, gateway_id=f"gw-{i % 3}") for i in range(256)]
+    ((group, body),) = p.TokenDeltaBatch.pack(deltas, max_bytes=1 << 20)
+    assert group == deltas
+    entries = p.TokenDeltaBatch.from_bytes(body).deltas
+    assert [p.TokenDelta.from_bytes(e) for e in entries] == deltas
+
+
+def test_batches_are_cut_to_the_byte_budget_and_an_oversized_delta_goes_alone() -> None:
+    deltas = [_delta(f"r{i}", tokens=20) for i in range(50)]
+    deltas.insert(7, _delta("huge", tokens=5000))
+    budget = 2000
+    packed = p.TokenDeltaBatch.pack(deltas, max_bytes=budget)
+    assert [d for group, _ in packed for d in group] == deltas  # nothing lost, nothing reordered
+    assert len(packed) > 2
+    for group, body in packed:
+        assert len(body) <= budget or [d.rid for d in group] == ["huge"]
+        assert [p.TokenDelta.from_bytes(e) for e in p.TokenDeltaBatch.from_bytes(body).deltas] == group
+    assert p.TokenDeltaBatch.pack([], max_bytes=budget) == []
+
+
+@pytest.mark.parametrize(
+    ("cls", "body"),
+    [
+        (p.TokenDeltaBatch, {"msg": "TokenDeltaBatch", "deltas": 5}),
+        (p.TokenDeltaBatch, {"msg": "TokenDeltaBatch", "deltas": [b"ok", "a str"]}),
+        (p.TokenDeltaBatch, {"msg": "TokenDeltaBatch"}),
+        (p.BatchAck, {"msg": "BatchAck", "refused": {"0": "why"}}),
+        (p.BatchAck, {"msg": "BatchAck", "refused": [0]}),
+    ],
+)
+def test_malformed_batches_and_acks_raise_protocol_error(cls: type[p.Message], body: dict) -> None:
+    with pytest.raises(p.ProtocolError):
+        cls.from_bytes(msgpack.packb(body, use_bin_type=True))

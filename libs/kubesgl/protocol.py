@@ -31,7 +31,9 @@ _ROOT = f"kubesgl.{VERSION}"
 TOKENIZE = f"{_ROOT}.tokenize"
 ABORT = f"{_ROOT}.abort"
 HEARTBEAT = f"{_ROOT}.sched.heartbeat"
-DETOK = f"{_ROOT}.detok"
+# TokenDeltaBatch; the subject changed with the body (was `detok`, one TokenDelta), so during a rolling upgrade
+# old and new schedulers each reach only detokenizers that understand them.
+DETOK = f"{_ROOT}.detok.batch"
 KV_EVENTS_ALL = f"{_ROOT}.kv.*"  # every instance's KvEvents (routers subscribe to all of them)
 
 TOKENIZER_QUEUE = "tokenizer"
@@ -287,10 +289,11 @@ class KvSnapshot(Message):
 
 @dataclass
 class TokenDelta(Message):
-    """scheduler -> any detokenizer: new tokens of one request, after up to DETOK_CONTEXT_TOKENS of context.
+    """One request's new tokens, after up to DETOK_CONTEXT_TOKENS of context: an entry of a TokenDeltaBatch.
 
     `tokens[new_from:]` are new; the context lets any replica decode without per-request state.
-    `logprobs` has one wire_logprob entry per new token when requested.
+    `logprobs` has one wire_logprob entry per new token when requested. `traceparent` names the request's
+    decode span (a batch's headers cannot carry one per request).
     """
 
     rid: str
@@ -306,14 +309,60 @@ class TokenDelta(Message):
     completion_tokens: int = 0
     logprobs: list[dict[str, Any]] | None = None
     error: dict[str, Any] | None = None
+    traceparent: str | None = None
+
+
+# msgpack framing of a TokenDeltaBatch around its entries: the map, its keys and the array header, and per
+# entry a bin header; both bounded generously so a batch never exceeds the byte budget it was cut to.
+_BATCH_FRAME_BYTES = 64
+_ENTRY_FRAME_BYTES = 5
 
 
 @dataclass
-class Ack(Message):
-    """detokenizer -> scheduler: the TextDelta for (rid, seq) has been published to the gateway."""
+class TokenDeltaBatch(Message):
+    """scheduler -> any detokenizer: the TokenDeltas of one engine step (one per request), in one message.
 
-    rid: str
-    seq: int
+    Each entry is an encoded TokenDelta, decoded and answered on its own (BatchAck.refused), so one bad entry
+    fails only its request, and the scheduler cuts batches to the NATS payload limit without encoding twice.
+    """
+
+    deltas: list[bytes]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.deltas, list) or not all(isinstance(d, bytes) for d in self.deltas):
+            raise ProtocolError("TokenDeltaBatch.deltas must be a list of encoded TokenDeltas")
+
+    @classmethod
+    def pack(cls, deltas: list[TokenDelta], max_bytes: int) -> list[tuple[list[TokenDelta], bytes]]:
+        """Encodes `deltas` into as few batches of at most `max_bytes` as they fit in, in order; a delta too
+        big for any batch goes alone. Returns each batch's body with the deltas it carries."""
+        out: list[tuple[list[TokenDelta], bytes]] = []
+        group: list[TokenDelta] = []
+        entries: list[bytes] = []
+        size = _BATCH_FRAME_BYTES
+        for delta in deltas:
+            entry = delta.to_bytes()
+            if entries and size + len(entry) + _ENTRY_FRAME_BYTES > max_bytes:
+                out.append((group, cls(entries).to_bytes()))
+                group, entries, size = [], [], _BATCH_FRAME_BYTES
+            group.append(delta)
+            entries.append(entry)
+            size += len(entry) + _ENTRY_FRAME_BYTES
+        if entries:
+            out.append((group, cls(entries).to_bytes()))
+        return out
+
+
+@dataclass
+class BatchAck(Message):
+    """detokenizer -> scheduler: the TextDelta of every entry of a TokenDeltaBatch has been published,
+    except the `refused` ones (entry index -> why: not a valid TokenDelta)."""
+
+    refused: dict[int, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.refused, dict) or not all(isinstance(i, int) for i in self.refused):
+            raise ProtocolError("BatchAck.refused must map entry indexes to reasons")
 
 
 @dataclass

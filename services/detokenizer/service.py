@@ -1,8 +1,9 @@
-"""The detokenizer replica: turns each TokenDelta into a TextDelta for the gateway holding the client.
+"""The detokenizer replica: turns each TokenDelta of a TokenDeltaBatch into a TextDelta for the gateway
+holding that request's client.
 
-Stateless (kubesgl.text.incremental): any replica decodes any delta, so replicas can be killed or added
-mid-stream. It publishes the TextDelta before it acks, so a replica killed in between causes a scheduler
-retry (a duplicate the gateway drops by seq), never a lost delta.
+Stateless (kubesgl.text.incremental): any replica decodes any batch, so replicas can be killed or added
+mid-stream. It publishes every entry's TextDelta before it acks the batch, so a replica killed in between
+causes a scheduler retry of the whole batch (duplicates the gateway drops by seq), never a lost delta.
 """
 
 from __future__ import annotations
@@ -14,12 +15,13 @@ from kubesgl.nats_conn import close
 from kubesgl.protocol import (
     DETOK,
     DETOKENIZER_QUEUE,
-    HEADER_RID,
-    Ack,
+    HEADER_TRACEPARENT,
+    BatchAck,
     ErrorReply,
     ProtocolError,
     TextDelta,
     TokenDelta,
+    TokenDeltaBatch,
     gateway_subject,
     headers,
 )
@@ -48,7 +50,7 @@ class DetokenizerService:
 
     async def start(self) -> None:
         # Handled in arrival order on one subscription: decoding is microseconds and publish only buffers.
-        self._sub = await self.nc.subscribe(DETOK, queue=DETOKENIZER_QUEUE, cb=self._on_delta)
+        self._sub = await self.nc.subscribe(DETOK, queue=DETOKENIZER_QUEUE, cb=self._on_batch)
 
     def nats_reconnected(self) -> None:
         self.metrics.nats.on_reconnect()
@@ -59,28 +61,40 @@ class DetokenizerService:
     async def drain(self, timeout_s: float) -> None:
         await close(self.nc)  # finishes the deltas already received, then closes
 
-    async def _on_delta(self, msg: Msg) -> None:
+    async def _on_batch(self, msg: Msg) -> None:
         with self.metrics.requests.track() as status:
             try:
-                delta = TokenDelta.from_bytes(msg.data)
+                batch = TokenDeltaBatch.from_bytes(msg.data)
             except ProtocolError as e:
-                rid = (msg.headers or {}).get(HEADER_RID, "")
-                log.error("malformed TokenDelta for rid %r: %s", rid, e)
+                log.error("malformed TokenDeltaBatch: %s", e)
                 status.status = 400
-                err = ErrorReply(rid=rid, status=400, type="invalid_request_error", message=str(e))
+                err = ErrorReply(rid="", status=400, type="invalid_request_error", message=str(e))
                 await msg.respond(err.to_bytes())
                 return
-            attrs = {ATTR_RID: delta.rid, ATTR_SEQ: delta.seq}
-            with self.tracing.span(SPAN_DETOKENIZE, msg.headers, attrs) as span:
-                text = self.text_delta(delta)
-                await self.nc.publish(
-                    gateway_subject(delta.gateway_id),
-                    text.to_bytes(),
-                    headers=headers(delta.rid, traceparent=traceparent(span)),
-                )
-            self.metrics.on_decoded(len(delta.tokens) - delta.new_from)
+            refused: dict[int, str] = {}
+            for i, entry in enumerate(batch.deltas):
+                try:
+                    delta = TokenDelta.from_bytes(entry)
+                    subject = gateway_subject(delta.gateway_id)
+                except ValueError as e:  # ProtocolError, or a gateway id that is no subject token
+                    log.error("malformed TokenDelta %d of a batch of %d: %s", i, len(batch.deltas), e)
+                    refused[i] = str(e)
+                    continue
+                await self._publish(delta, subject)
+            if refused:
+                status.status = 400
             if msg.reply:
-                await msg.respond(Ack(rid=delta.rid, seq=delta.seq).to_bytes())
+                await msg.respond(BatchAck(refused=refused).to_bytes())
+
+    async def _publish(self, delta: TokenDelta, subject: str) -> None:
+        parent = {HEADER_TRACEPARENT: delta.traceparent} if delta.traceparent else None
+        attrs = {ATTR_RID: delta.rid, ATTR_SEQ: delta.seq}
+        with self.tracing.span(SPAN_DETOKENIZE, parent, attrs) as span:
+            text = self.text_delta(delta)
+            await self.nc.publish(
+                subject, text.to_bytes(), headers=headers(delta.rid, traceparent=traceparent(span))
+            )
+        self.metrics.on_decoded(len(delta.tokens) - delta.new_from)
 
     def text_delta(self, delta: TokenDelta) -> TextDelta:
         """The TextDelta for one TokenDelta; a delta that cannot be decoded ends its stream with an error."""

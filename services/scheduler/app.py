@@ -50,7 +50,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--disable-overlap", action="store_true", help="no overlap scheduling")
     parser.add_argument("--seed", type=int, default=d.seed, help="sampling seed for unseeded requests")
     parser.add_argument(
-        "--detok-timeout", type=float, default=1.0, help="seconds before an unacked TokenDelta is sent again"
+        "--detok-timeout",
+        type=float,
+        default=1.0,
+        help="seconds before an unacked TokenDeltaBatch is sent again",
     )
     parser.add_argument(
         "--kv-event-block-size",

@@ -2,9 +2,11 @@
 deadlines and drain. The engine runs on its own thread (engine_loop.py); this side never blocks it.
 
 Admission replies only after engine.add_request succeeded, so an Admitted means the engine has the request.
-A known rid is acknowledged again (the tokenizer and gateway retry with the same rid). Deltas go to the
-detokenizer queue group as requests and are retried until acked (delivery.py: at-least-once; the gateway drops
-duplicates by seq); per request one delta is in flight at a time, and tokens produced meanwhile are batched.
+A known rid is acknowledged again (the tokenizer and gateway retry with the same rid). Each engine step's
+deltas go to the detokenizer queue group as one TokenDeltaBatch request, retried until acked (delivery.py:
+at-least-once; the gateway drops duplicates by seq): one NATS round trip per step, not one per request. Per
+request one delta is in flight at a time; tokens produced meanwhile ride in its next delta, sent when the
+batch holding the current one is acked.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import nats.errors
 from kubesgl.engine.types import EngineStats, ModelInfo, RequestOutput
@@ -33,6 +35,7 @@ from kubesgl.protocol import (
     ProtocolError,
     SchedulerStats,
     TextDelta,
+    TokenDeltaBatch,
     check_ids,
     gateway_subject,
     generate_subject,
@@ -53,6 +56,7 @@ log = logging.getLogger("kubesgl.scheduler")
 
 _RECENT_RIDS = 10_000  # finished rids remembered so a late retry of their admission is acked, not rerun
 _DEADLINE_GRACE_S = 2.0  # past its deadline the gateway has given up; after this grace, we do too
+_BATCH_HEADROOM_BYTES = 1024  # a TokenDeltaBatch stays this far under the server's max_payload
 
 
 class SchedulerService:
@@ -88,7 +92,8 @@ class SchedulerService:
         self._admissions: dict[str, asyncio.Future[KubesglError | None]] = {}
         self._recent: OrderedDict[str, int] = OrderedDict()  # rid -> prompt_tokens
         self._aborted: OrderedDict[str, None] = OrderedDict()  # aborts of rids not (yet) seen here
-        self._pumps: dict[str, asyncio.Task[None]] = {}
+        self._in_flight: set[str] = set()  # rids whose latest delta is in a batch not acked yet
+        self._deliveries: set[asyncio.Task[None]] = set()
         self._tasks = TaskGroup()
         self._subs: list[Subscription] = []
         self._heartbeat_task: asyncio.Task[None] | None = None
@@ -160,7 +165,7 @@ class SchedulerService:
             await self._kv.stop()
         await asyncio.to_thread(self._engine.stop, 60.0)
         await self._tasks.wait(2.0)
-        for task in list(self._pumps.values()):
+        for task in list(self._deliveries):
             task.cancel()
         await close(self.nc)
 
@@ -274,37 +279,66 @@ class SchedulerService:
 
     # -- outputs -> deltas ------------------------------------------------------------------------
     def _on_outputs(self, outputs: list[RequestOutput], parents: dict[str, str | None]) -> None:
+        streams = []
         for out in outputs:
             stream = self._streams.get(out.rid)
             if stream is None:
                 continue  # aborted or abandoned here: its final engine output has nowhere to go
             stream.add(out, parents.get(out.rid))
-            if out.rid not in self._pumps:
-                self._pumps[out.rid] = self._loop.create_task(self._pump(stream))
+            streams.append(stream)
+        self._send(streams)
 
-    async def _pump(self, stream: RequestStream) -> None:
-        """Delivers the stream's deltas one at a time until it has nothing more to send right now."""
+    def _send(self, streams: Iterable[RequestStream]) -> None:
+        """Sends the next delta of each stream that has none in flight, together in one TokenDeltaBatch
+        (several only past the NATS payload limit)."""
+        sending: dict[str, RequestStream] = {}
+        deltas = []
+        for stream in streams:
+            if stream.rid in self._in_flight:
+                continue  # its tokens ride in the delta sent once the in-flight one is acked
+            delta = stream.next_delta(self.instance_id)
+            if delta is not None:
+                sending[stream.rid] = stream
+                deltas.append(delta)
+        if not deltas:
+            return
+        self._in_flight.update(sending)
+        for group, body in TokenDeltaBatch.pack(deltas, self.nc.max_payload - _BATCH_HEADROOM_BYTES):
+            task = self._loop.create_task(self._deliver([sending[d.rid] for d in group], body))
+            self._deliveries.add(task)
+            task.add_done_callback(self._deliveries.discard)
+
+    async def _deliver(self, streams: list[RequestStream], batch: bytes) -> None:
+        """Delivers one batch; then ends the streams it finished and sends what the others produced meanwhile."""
         try:
-            while (delta := stream.next_delta(self.instance_id)) is not None:
-                delivered = await deliver(
-                    self.nc,
-                    delta,
-                    headers(delta.rid, stream.deadline, stream.traceparent),
-                    self.telemetry.metrics.nats,
-                    self.detok_timeout_s,
-                    self.delivery_give_up_s,
-                )
-                if not delivered:
-                    await self._abandon(
-                        stream.rid,
-                        ServiceUnavailableError("no detokenizer acknowledged the request's output; retry"),
-                    )
-                    return
-            if stream.done:
-                self._streams.pop(stream.rid, None)
-                self._remember(stream)
+            ack = await deliver(
+                self.nc,
+                batch,
+                len(streams),
+                self.telemetry.metrics.nats,
+                self.detok_timeout_s,
+                self.delivery_give_up_s,
+            )
         finally:
-            self._pumps.pop(stream.rid, None)
+            self._in_flight.difference_update(s.rid for s in streams)
+        if ack is None:
+            refused = set(range(len(streams)))
+        else:
+            refused = {i for i in ack.refused if 0 <= i < len(streams)}
+            for i in refused:
+                log.error("detokenizer refused the delta of %s: %s", streams[i].rid, ack.refused[i])
+        delivered = [s for i, s in enumerate(streams) if i not in refused]
+        # No await until these are sent on: a stream counts as done only once its final delta is acked.
+        for stream in delivered:
+            if stream.done and self._streams.get(stream.rid) is stream:
+                self._streams.pop(stream.rid)
+                self._remember(stream)
+        self._send(delivered)
+        for i in refused:
+            await self._abandon(
+                streams[i].rid,
+                ServiceUnavailableError("no detokenizer acknowledged the request's output; retry"),
+            )
 
     async def _abandon(self, rid: str, err: KubesglError) -> None:
         """Ends a request here: frees it in the engine and tells its gateway why, directly."""

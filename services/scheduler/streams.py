@@ -1,8 +1,8 @@
 """Per-request output bookkeeping on the scheduler: what the engine produced, what went out, the next delta.
 
 Each TokenDelta carries the tokens since the last delta behind up to DETOK_CONTEXT_TOKENS already-sent ones
-(kubesgl.text.incremental.delta_window), so any detokenizer replica can decode it. Tokens that arrive while
-a delta is in flight are batched into the next one.
+(kubesgl.text.incremental.delta_window), so any detokenizer replica can decode it. One delta per request is
+in flight at a time; tokens that arrive meanwhile ride in the next one.
 """
 
 from __future__ import annotations
@@ -77,6 +77,7 @@ class RequestStream:
             completion_tokens=len(self.output_ids),
             logprobs=self.logprobs[self.sent :] if self.wants_logprobs else None,
             error=self.error,
+            traceparent=self.traceparent,
         )
         self.sent, self.seq, self.final_sent = len(self.output_ids), self.seq + 1, self.finished
         return delta
