@@ -153,6 +153,23 @@ def test_gumbel_kernel_greedy_rows_are_torch_argmax_ties_included() -> None:
     assert tokens.tolist() == logits.float().argmax(dim=-1).tolist() == [int(logits[0].argmax()), 12, 5]
 
 
+def test_gumbel_kernel_picks_across_vocab_splits_first_index_on_ties() -> None:
+    """A row is scanned by several programs (SPLIT logits each): the winner may sit in any split, and a tie
+    between splits still goes to the lowest index."""
+    from kubesgl.engine.gumbel_sampling import SPLIT
+
+    vocab = 2 * SPLIT + 1000  # three splits, the last one partial
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(6))
+    top = logits.max() + 1
+    logits[0, 2 * SPLIT + 999] = top  # the last logit of the partial split
+    logits[1, 100] = logits[1, SPLIT + 5] = top  # tie across splits 0 and 1
+    logits[2, SPLIT + 7] = logits[2, 2 * SPLIT + 3] = top  # tie across splits 1 and 2
+    logits[3, SPLIT - 1] = top  # the last logit of split 0
+    scale = sampling_scale(torch.ones(4), torch.ones(4, dtype=torch.bool))
+    tokens = gumbel_tokens(logits, scale, philox_key(0, CPU))
+    assert tokens.tolist() == logits.argmax(dim=-1).tolist() == [2 * SPLIT + 999, 100, SPLIT + 7, SPLIT - 1]
+
+
 def test_gumbel_kernel_samples_softmax_of_logits_over_temperature() -> None:
     rows, temperature = 300, 0.7
     base = torch.tensor([1.0, 0.0, -1.0, 0.5, 0.2])

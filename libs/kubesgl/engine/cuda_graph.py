@@ -46,7 +46,7 @@ class DecodeGraphs:
     """Per captured batch size: a forward graph (input prep + model + logits) and two sampling graphs.
 
     Logits stay in the model's dtype: greedy argmax is the same on them, temperature sampling reads them once
-    (`gumbel_tokens`), and only the eager sampler casts its rows to float32.
+    (`gumbel_tokens`), and only the eager sampler casts its rows to float32 (the LM head returns the model dtype).
 
     The forward graph reads only `io`: slots in io[:bs] and positions in io[bs:2 * bs] (each size its own
     layout, so one contiguous copy fills it); the rest of `io` carries the step's page-table writes. The

@@ -13,18 +13,35 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK = 4096
+# Each program scans SPLIT logits of one row in BLOCK-wide chunks; a second kernel picks each row's best split.
+# One program per row (the first version) left a batch-1 step with a single program walking 152k logits
+# (125 us on the H200, 7% of the step); split, the row is read by ~19 programs at once.
+SPLIT = 8192
+BLOCK = 2048
 
 
 @triton.jit
-def _gumbel_argmax_kernel(logits_ptr, stride, scale_ptr, key_ptr, out_ptr, vocab, BLOCK: tl.constexpr):
+def _gumbel_partial_kernel(
+    logits_ptr,
+    stride,
+    scale_ptr,
+    key_ptr,
+    part_val_ptr,
+    part_idx_ptr,
+    vocab,
+    n_splits,
+    SPLIT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0)
+    split = tl.program_id(1)
     scale = tl.load(scale_ptr + row)
     key = tl.load(key_ptr)
     best_val = tl.full([1], float("-inf"), tl.float32)
     best_idx = tl.full([1], 0, tl.int32)
-    for start in range(0, vocab, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
+    lo = split * SPLIT
+    for off in range(0, SPLIT, BLOCK):
+        cols = lo + off + tl.arange(0, BLOCK)
         mask = cols < vocab
         logit = tl.load(logits_ptr + row * stride + cols, mask=mask, other=float("-inf")).to(tl.float32)
         u = tl.rand(key, row * vocab + cols)
@@ -32,10 +49,22 @@ def _gumbel_argmax_kernel(logits_ptr, stride, scale_ptr, key_ptr, out_ptr, vocab
         score = tl.where(mask, score, float("-inf"))
         m = tl.max(score, 0)
         i = tl.argmax(score, 0)
-        take = m > best_val
-        best_idx = tl.where(take, start + i, best_idx)
+        take = m > best_val  # strictly greater: the first index wins a tie, as in torch.argmax
+        best_idx = tl.where(take, lo + off + i, best_idx)
         best_val = tl.where(take, m, best_val)
-    tl.store(out_ptr + row + tl.arange(0, 1), best_idx.to(tl.int64))
+    at = row * n_splits + split + tl.arange(0, 1)
+    tl.store(part_val_ptr + at, best_val)
+    tl.store(part_idx_ptr + at, best_idx)
+
+
+@triton.jit
+def _gumbel_pick_kernel(part_val_ptr, part_idx_ptr, out_ptr, n_splits, BLOCK_S: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_S)
+    vals = tl.load(part_val_ptr + row * n_splits + offs, mask=offs < n_splits, other=float("-inf"))
+    best = tl.argmax(vals, 0)  # the first split holding the maximum: ties still go to the lowest index
+    idx = tl.load(part_idx_ptr + row * n_splits + best)
+    tl.store(out_ptr + row, idx.to(tl.int64))
 
 
 def gumbel_tokens(logits: torch.Tensor, scale: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
@@ -44,8 +73,26 @@ def gumbel_tokens(logits: torch.Tensor, scale: torch.Tensor, key: torch.Tensor) 
     b, vocab = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
+    n_splits = triton.cdiv(vocab, SPLIT)
+    part_val = torch.empty((b, n_splits), dtype=torch.float32, device=logits.device)
+    part_idx = torch.empty((b, n_splits), dtype=torch.int32, device=logits.device)
     out = torch.empty(b, dtype=torch.int64, device=logits.device)
-    _gumbel_argmax_kernel[(b,)](logits, logits.stride(0), scale, key, out, vocab, BLOCK=BLOCK, num_warps=8)
+    if b == 0:
+        return out
+    _gumbel_partial_kernel[(b, n_splits)](
+        logits,
+        logits.stride(0),
+        scale,
+        key,
+        part_val,
+        part_idx,
+        vocab,
+        n_splits,
+        SPLIT=SPLIT,
+        BLOCK=BLOCK,
+        num_warps=4,
+    )
+    _gumbel_pick_kernel[(b,)](part_val, part_idx, out, n_splits, BLOCK_S=triton.next_power_of_2(n_splits))
     return out
 
 

@@ -53,6 +53,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.weight = embedding.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight).float()
+        """Logits in the weight's dtype: samplers read them once and cast what they keep (a float32 copy of
+        a [256, 152k] batch cost 115 us per decode step on the H200)."""
+        logits = F.linear(hidden, self.weight)
         logits = self.tp.all_gather(logits, dim=-1)
         return logits[:, : self.vocab_size]

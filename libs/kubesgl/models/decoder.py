@@ -219,7 +219,7 @@ class CausalLM(nn.Module):
         return self.model(fb)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> float32 logits [N, vocab_size], the full vocab on every rank."""
+        """[N, hidden] -> logits [N, vocab_size] in the model dtype, the full vocab on every rank."""
         return self.lm_head(hidden)
 
 
