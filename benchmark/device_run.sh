@@ -3,6 +3,8 @@
 # its ablations. Usage on the device: bash benchmark/device_run.sh [quick]; figures land in $OUT/bench.jsonl.
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+# A FlashInfer JIT cache from an earlier call (tar czf fi-jit.tgz -C $HOME .cache/flashinfer) saves ~2 min.
+[ -f .whl/fi-jit.tgz ] && tar xzf .whl/fi-jit.tgz -C "$HOME"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site:$PWD/libs
@@ -18,13 +20,11 @@ case "${1:-full}" in
     $B --model Qwen3-0.6B --hf-baseline 32
     $B --model Qwen3-0.6B --disable-overlap
     ;;
-  trace)  # kernel-level decode trace; an older tree to compare may be carried in .whl/old (git archive)
+  trace)  # kernel-level traces: decode at bs 1/64/256 and one 8k-token prefill; then the Triton-decode hybrid
     T="python3 benchmark/kernel_trace.py --model Qwen3-0.6B --batch-sizes 1,64,256 --context 800"
-    timeout 200 $T --json "$OUT/trace.jsonl" 2>&1 | tee "$OUT/trace.txt"
-    if [ -d .whl/old/libs ]; then
-      PYTHONPATH=/tmp/site:$PWD/.whl/old/libs:$PWD/.whl/old timeout 150 $T --json "$OUT/trace_old.jsonl" \
-        2>&1 | tee "$OUT/trace_old.txt"
-    fi
+    timeout 200 $T --prefill-tokens 8192 --json "$OUT/trace.jsonl" 2>&1 | grep -v Warn | tee "$OUT/trace.txt"
+    timeout 150 $T --attn flashinfer,triton --top 12 --json "$OUT/trace_hybrid.jsonl" 2>&1 | grep -v Warn \
+      | tee "$OUT/trace_hybrid.txt"
     ;;
   b)
     $B --model Qwen3-14B

@@ -48,6 +48,46 @@ def trace_batch(llm: Any, bs: int, context: int, steps: int, top: int) -> dict[s
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
     step_ms = start.elapsed_time(end) / steps
+    for rid in rids:
+        eng.abort(rid)
+    while eng.has_work():
+        eng.step()
+    head = (
+        f"bs {bs}, context {context}: {step_ms:.3f} ms/step (events), {wall / steps * 1e3:.3f} ms/step wall"
+    )
+    return report(prof, steps, head, top) | {"bs": bs, "context": context, "step_ms": round(step_ms, 4)}
+
+
+def trace_prefill(llm: Any, tokens: int, context: int, top: int) -> dict[str, Any]:
+    """One chunked-prefill step of about `tokens` new tokens (requests of `context` tokens, no cache hits)."""
+    import torch
+    from kubesgl import SamplingParams
+    from torch.profiler import ProfilerActivity, profile
+
+    eng = llm.engine
+    n = max(1, tokens // context)
+    rids = [f"prefill-{i}" for i in range(n)]
+    for i, rid in enumerate(rids):  # distinct first tokens: no prefix-cache hits
+        eng.add_request(
+            rid, [(10007 + 13 * i + 7 * j) % 10000 for j in range(context)], SamplingParams(max_tokens=2)
+        )
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start.record()
+        eng.step()
+        end.record()
+        torch.cuda.synchronize()
+    ms = start.elapsed_time(end)
+    while eng.has_work():
+        eng.step()
+    head = f"prefill of {n} x {context} tokens: {ms:.3f} ms (events)"
+    return report(prof, 1, head, top) | {"prefill_tokens": n * context, "step_ms": round(ms, 4)}
+
+
+def report(prof: Any, steps: int, head: str, top: int) -> dict[str, Any]:
+    import torch
+
     kernels: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     for ev in prof.events():
         if ev.device_type != torch.autograd.DeviceType.CUDA:
@@ -60,23 +100,15 @@ def trace_batch(llm: Any, bs: int, context: int, steps: int, top: int) -> dict[s
         k[1] += dur
     total_us = sum(v[1] for v in kernels.values())
     count = sum(v[0] for v in kernels.values())
-    for rid in rids:
-        eng.abort(rid)
-    while eng.has_work():
-        eng.step()
     rows = sorted(kernels.items(), key=lambda kv: -kv[1][1])
     print(
-        f"\n== bs {bs}, context {context}: {step_ms:.3f} ms/step (events), {wall / steps * 1e3:.3f} ms/step wall; "
-        f"{count / steps:.0f} device ops/step, {total_us / steps / 1e3:.3f} ms of kernels/step",
+        f"\n== {head}; {count / steps:.0f} device ops/step, {total_us / steps / 1e3:.3f} ms of kernels/step",
         flush=True,
     )
     print(f"{'calls/step':>10} {'us/step':>9} {'us/call':>8}  kernel")
     for name, (n, us) in rows[:top]:
         print(f"{n / steps:10.1f} {us / steps:9.1f} {us / n:8.2f}  {short(name)}")
     return {
-        "bs": bs,
-        "context": context,
-        "step_ms": round(step_ms, 4),
         "ops_per_step": round(count / steps, 1),
         "kernel_ms_per_step": round(total_us / steps / 1e3, 4),
         "top": [
@@ -94,6 +126,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--cuda-graph-max-bs", type=int, default=None)
+    p.add_argument("--prefill-tokens", type=int, default=0, help="also trace one prefill step of ~N tokens")
     p.add_argument("--json", default=None)
     args = p.parse_args()
 
@@ -111,8 +144,11 @@ def main() -> int:
         cuda_graph_max_bs=args.cuda_graph_max_bs,
     )
     print(f"attention backend: {type(llm.engine.runner.attn).__name__}", flush=True)
-    for bs in sizes:
-        res = trace_batch(llm, bs, args.context, args.steps, args.top)
+    runs = [lambda bs=bs: trace_batch(llm, bs, args.context, args.steps, args.top) for bs in sizes]
+    if args.prefill_tokens:
+        runs.append(lambda: trace_prefill(llm, args.prefill_tokens, args.context, args.top))
+    for run in runs:
+        res = run()
         res.update(model=args.model, attn=type(llm.engine.runner.attn).__name__)
         if args.json:
             with open(args.json, "a") as f:
