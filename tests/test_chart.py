@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -18,6 +19,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
+from kubesgl.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "charts" / "kubesgl"
@@ -538,6 +540,81 @@ def test_numeric_args_render_as_integers() -> None:
     )
     assert arg(scheduler, "--num-pages") == "1234567"
     assert arg(scheduler, "--max-prefill-length") == "16384"
+
+
+# Service flags the chart sets from its values (argparse dests), whose chart defaults must be the services'.
+VALUE_FLAGS = {
+    "gateway": [
+        "request_timeout",
+        "inactivity_timeout",
+        "tokenize_attempt_timeout",
+        "max_concurrent_per_key",
+    ],
+    "tokenizer": ["routing_policy", "kv_block_size", "overlap_weight", "load_weight", "kv_stale_after"],
+    "scheduler": ["kv_event_block_size"],
+}
+KINDS = {"gateway": "Deployment", "tokenizer": "Deployment", "scheduler": "StatefulSet"}
+
+
+def parsed_args(objects: list[dict[str, Any]], component: str) -> argparse.Namespace:
+    """The component's rendered args, parsed by the `kubesgl` command itself (an unknown flag fails)."""
+    return build_parser(component).parse_args(container(objects, KINDS[component], component)["args"])
+
+
+def service_defaults(component: str) -> argparse.Namespace:
+    required = [] if component == "gateway" else ["--model", "/m"]
+    return build_parser(component).parse_args([component, *required])
+
+
+def test_routing_timeouts_and_key_limit_default_as_the_services_do() -> None:
+    objects = render({})
+    for component, dests in VALUE_FLAGS.items():
+        args = container(objects, KINDS[component], component)["args"]
+        rendered, defaults = parsed_args(objects, component), service_defaults(component)
+        for dest in dests:
+            assert "--" + dest.replace("_", "-") in args, dest
+            assert getattr(rendered, dest) == getattr(defaults, dest), dest
+    assert parsed_args(objects, "tokenizer").session_affinity is False
+    affinity = render({"tokenizer": {"routing": {"sessionAffinity": {"enabled": True}}}})
+    assert (
+        parsed_args(affinity, "tokenizer").affinity_max_load
+        == service_defaults("tokenizer").affinity_max_load
+    )
+
+
+def test_routing_values_reach_tokenizer_and_schedulers() -> None:
+    routing = {
+        "policy": "least-load",
+        "kvBlockSize": 32,
+        "sessionAffinity": {"enabled": True, "maxLoad": 0.75},
+    }
+    objects = render({"tokenizer": {"routing": routing}})
+    tokenizer = parsed_args(objects, "tokenizer")
+    assert tokenizer.routing_policy == "least-load"
+    assert tokenizer.session_affinity is True and tokenizer.affinity_max_load == 0.75
+    # The cache-aware knobs are not passed to another policy, and schedulers then publish no KV events.
+    assert "--kv-block-size" not in container(objects, "Deployment", "tokenizer")["args"]
+    assert parsed_args(objects, "scheduler").kv_event_block_size == 0
+    # Cache-aware: the tokenizers hash the same blocks the schedulers publish.
+    routing = {"kvBlockSize": 32, "overlapWeight": 2.5, "loadWeight": 0.5, "kvStaleAfterSeconds": 10}
+    objects = render({"tokenizer": {"routing": routing}})
+    tokenizer = parsed_args(objects, "tokenizer")
+    assert tokenizer.routing_policy == "cache-aware" and tokenizer.kv_block_size == 32
+    assert (tokenizer.overlap_weight, tokenizer.load_weight, tokenizer.kv_stale_after) == (2.5, 0.5, 10.0)
+    assert tokenizer.session_affinity is False
+    assert parsed_args(objects, "scheduler").kv_event_block_size == 32
+
+
+def test_gateway_timeouts_and_key_limit_from_values() -> None:
+    gateway = {
+        "requestTimeoutSeconds": 1800,
+        "inactivityTimeoutSeconds": 45.5,
+        "tokenizeAttemptTimeoutSeconds": 2,
+        "maxConcurrentPerKey": 16,
+    }
+    args = parsed_args(render({"gateway": gateway}), "gateway")
+    assert args.request_timeout == 1800.0 and args.inactivity_timeout == 45.5
+    assert args.tokenize_attempt_timeout == 2.0 and args.max_concurrent_per_key == 16
 
 
 def test_ingress_routes_to_gateway_service() -> None:

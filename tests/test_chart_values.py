@@ -141,6 +141,32 @@ BAD_VALUES: dict[str, tuple[dict[str, Any], str]] = {
         "path",
     ),
     "startup probe of zero": ({"scheduler": {"startupProbe": {"failureThreshold": 0}}}, "failureThreshold"),
+    "unknown routing policy": ({"tokenizer": {"routing": {"policy": "random"}}}, "policy"),
+    "KV block size of zero": ({"tokenizer": {"routing": {"kvBlockSize": 0}}}, "kvBlockSize"),
+    "fractional KV block size": ({"tokenizer": {"routing": {"kvBlockSize": 8.5}}}, "kvBlockSize"),
+    "negative overlap weight": ({"tokenizer": {"routing": {"overlapWeight": -1}}}, "overlapWeight"),
+    "load weight as a string": ({"tokenizer": {"routing": {"loadWeight": "high"}}}, "loadWeight"),
+    "KV staleness of zero": ({"tokenizer": {"routing": {"kvStaleAfterSeconds": 0}}}, "kvStaleAfterSeconds"),
+    "session affinity as a bare bool": (
+        {"tokenizer": {"routing": {"sessionAffinity": True}}},
+        "sessionAffinity",
+    ),
+    "affinity max load of zero": (
+        {"tokenizer": {"routing": {"sessionAffinity": {"enabled": True, "maxLoad": 0}}}},
+        "maxLoad",
+    ),
+    "misspelt routing key": ({"tokenizer": {"routing": {"polcy": "least-load"}}}, "polcy"),
+    "request timeout of zero": ({"gateway": {"requestTimeoutSeconds": 0}}, "requestTimeoutSeconds"),
+    "negative inactivity timeout": (
+        {"gateway": {"inactivityTimeoutSeconds": -5}},
+        "inactivityTimeoutSeconds",
+    ),
+    "tokenize attempt timeout as a duration": (
+        {"gateway": {"tokenizeAttemptTimeoutSeconds": "5s"}},
+        "tokenizeAttemptTimeoutSeconds",
+    ),
+    "negative per-key limit": ({"gateway": {"maxConcurrentPerKey": -1}}, "maxConcurrentPerKey"),
+    "fractional per-key limit": ({"gateway": {"maxConcurrentPerKey": 2.5}}, "maxConcurrentPerKey"),
 }
 
 

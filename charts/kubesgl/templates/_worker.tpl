@@ -62,6 +62,25 @@ spec:
             - {{ $s.adminPort | int64 | quote }}
             - --drain-timeout
             - {{ $s.drainTimeoutSeconds | int64 | quote }}
+            {{- with $s.routing }}
+            - --routing-policy
+            - {{ .policy | quote }}
+            {{- if eq .policy "cache-aware" }}
+            - --kv-block-size
+            - {{ .kvBlockSize | int64 | quote }}
+            - --overlap-weight
+            - {{ .overlapWeight | quote }}
+            - --load-weight
+            - {{ .loadWeight | quote }}
+            - --kv-stale-after
+            - {{ .kvStaleAfterSeconds | quote }}
+            {{- end }}
+            {{- if .sessionAffinity.enabled }}
+            - --session-affinity
+            - --affinity-max-load
+            - {{ .sessionAffinity.maxLoad | quote }}
+            {{- end }}
+            {{- end }}
             {{- range $s.extraArgs }}
             - {{ . | quote }}
             {{- end }}
