@@ -1,4 +1,5 @@
-"""The scheduler sends each engine step's deltas as one TokenDeltaBatch, not one NATS message per request.
+"""The scheduler sends each engine step's deltas as TokenDeltaBatches of at most `detok_batch_size` deltas, all
+in flight at once, not one NATS message per request.
 
 Its real NATS side (SchedulerService) runs with a FAKE engine thread that the test steps by hand, on a real
 nats-server with a real detokenizer replica; a plain subscriber on the detokenizer subject sees every
@@ -8,6 +9,7 @@ duplicates dropped).
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
@@ -20,6 +22,7 @@ from kubesgl.engine.types import EngineStats, ModelInfo, RequestOutput
 from kubesgl.nats_server import NatsServer
 from kubesgl.services.detokenizer.service import DetokenizerService
 from kubesgl.services.gateway.request_stream import RequestStream as GatewayStream
+from kubesgl.services.scheduler import app as scheduler_app
 from kubesgl.services.scheduler.engine_loop import AbortRequest, AddRequest, Command, QueryStats
 from kubesgl.services.scheduler.service import SchedulerService
 from kubesgl.telemetry.metrics import DetokenizerMetrics, SchedulerMetrics, new_registry
@@ -28,6 +31,7 @@ from kubesgl.telemetry.tracing import Tracing
 from kubesgl.text.tokenizer import ModelTokenizer
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from prometheus_client import CollectorRegistry
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -78,6 +82,7 @@ class Bus:
         self.conns: list[Client] = []
         self.batches: list[bytes] = []  # every message on the detokenizer subject, in order
         self.text_deltas: list[p.TextDelta] = []  # every TextDelta the gateways received
+        self.detokenizers: list[CollectorRegistry] = []  # each real replica's metrics
         self.engine: FakeEngineLoop | None = None
         self.service: SchedulerService | None = None
 
@@ -85,7 +90,9 @@ class Bus:
         self.conns.append(await nats.connect(self.nats_url))
         return self.conns[-1]
 
-    async def start(self, detokenizer: bool = True) -> None:
+    async def start(
+        self, detokenizer: bool = True, detok_batch_size: int = 64, detok_timeout_s: float = 0.3
+    ) -> None:
         observer = await self.connect()
         await observer.subscribe(p.DETOK, cb=self._on_batch)
         for gw in ("gw-a", "gw-b"):
@@ -100,16 +107,30 @@ class Bus:
 
         nc = await self.connect()
         self.service = SchedulerService(
-            nc, INSTANCE, "demo", 64, 64, make_engine, asyncio.Event(), detok_timeout_s=0.3
+            nc,
+            INSTANCE,
+            "demo",
+            64,
+            64,
+            make_engine,
+            asyncio.Event(),
+            detok_timeout_s=detok_timeout_s,
+            detok_batch_size=detok_batch_size,
         )
         await self.service.start()
         await _until(self.service.ready, "the scheduler heartbeats")
 
     async def start_detokenizer(self) -> None:
         nc = await self.connect()
-        service = DetokenizerService(nc, self.tokenizer, DetokenizerMetrics(new_registry()), Tracing("t"))
-        await service.start()
+        self.detokenizers.append(new_registry())
+        metrics = DetokenizerMetrics(self.detokenizers[-1])
+        await DetokenizerService(nc, self.tokenizer, metrics, Tracing("t")).start()
         await nc.flush()
+
+    def batches_decoded(self) -> list[int]:
+        """Batches each real detokenizer replica answered, by its own metrics."""
+        name = "kubesgl_detokenizer_requests_total"
+        return [int(r.get_sample_value(name, {"status": "200"}) or 0) for r in self.detokenizers]
 
     async def _on_batch(self, msg: Msg) -> None:
         self.batches.append(msg.data)
@@ -125,6 +146,9 @@ class Bus:
             reply = await self.conns[0].request(p.generate_subject(INSTANCE), req.to_bytes(), timeout=5)
             assert isinstance(p.decode(reply.data, p.Admitted, p.ErrorReply), p.Admitted)
         return rids
+
+    def entries(self, batch: bytes) -> list[p.TokenDelta]:
+        return [p.TokenDelta.from_bytes(e) for e in p.TokenDeltaBatch.from_bytes(batch).deltas]
 
     def step(self, outputs: list[RequestOutput]) -> None:
         """One engine step: what the engine thread hands over after engine.step()."""
@@ -269,3 +293,103 @@ async def test_a_batch_whose_replica_dies_before_acking_is_resent_whole_and_no_t
     assert bus.batches[1] == bus.batches[0]  # resent whole, after the ack timeout
     first = sorted(d.rid for d in bus.text_deltas if d.seq == 0)
     assert first == sorted(rids * 2)  # the gateway got seq 0 twice per request and kept it once
+
+
+async def test_a_step_of_more_requests_than_the_cap_is_ceil_m_over_n_batches_in_flight_together(
+    bus: Bus,
+) -> None:
+    # No detokenizer yet, so nothing is acked: batches that all reach the bus went out together, not in turn.
+    await bus.start(detokenizer=False, detok_batch_size=3)
+    n = 8
+    ids = _token_streams(bus.tokenizer, n)
+    rids = await bus.admit(n, max_tokens=len(ids[0]))
+    for k in range(len(ids[0])):
+        bus.step(_outputs(rids, ids, k))
+    await _until(lambda: len(bus.batches) >= 3, "the first step's batches are sent")
+    first = [bus.entries(b) for b in bus.batches[:3]]
+    assert [len(entries) for entries in first] == [2, 3, 3]  # ceil(8 / 3) batches, as even as they go
+    assert [e.rid for entries in first for e in entries] == rids
+    assert all(e.seq == 0 for entries in first for e in entries)
+    await bus.start_detokenizer()
+    await bus.start_detokenizer()
+    expected = {rid: bus.tokenizer.decode(x) for rid, x in zip(rids, ids, strict=True)}
+    assert await bus.texts(rids) == expected
+
+
+async def test_with_two_replicas_each_step_is_ceil_m_over_n_batches_and_both_replicas_decode(
+    bus: Bus,
+) -> None:
+    await bus.start(detokenizer=False, detok_batch_size=3)
+    await bus.start_detokenizer()
+    await bus.start_detokenizer()
+    n = 8
+    ids = _token_streams(bus.tokenizer, n)
+    rids = await bus.admit(n, max_tokens=len(ids[0]))
+    steps = len(ids[0])
+    for k in range(steps):
+        bus.step(_outputs(rids, ids, k))
+        await _until(lambda k=k: len(bus.batches) == 3 * (k + 1), f"step {k}'s 3 batches are on the bus")
+        entries = [bus.entries(b) for b in bus.batches[-3:]]
+        assert sorted(len(e) for e in entries) == [2, 3, 3]
+        got = sorted((e.rid, e.tokens[e.new_from :]) for batch in entries for e in batch)
+        assert got == sorted((rid, [x[k]]) for rid, x in zip(rids, ids, strict=True))
+    expected = {rid: bus.tokenizer.decode(x) for rid, x in zip(rids, ids, strict=True)}
+    assert await bus.texts(rids) == expected
+    assert (await bus.stats()).active_rids == []
+    await asyncio.sleep(0.2)
+    assert len(bus.batches) == 3 * steps  # nothing resent
+    decoded = bus.batches_decoded()
+    assert sum(decoded) == 3 * steps
+    assert min(decoded) > 0, decoded  # the queue group spread the steps over both replicas
+
+
+async def test_a_stuck_replica_stalls_only_the_requests_of_the_batch_it_holds(bus: Bus) -> None:
+    # A FAKE replica in the detokenizer queue group stands in for one that hangs: it is the only member when the
+    # first batch goes out, takes it (then the server unsubscribes it: limit 1) and never answers.
+    stuck = await bus.connect()
+    held: list[Msg] = []
+
+    async def hang(msg: Msg) -> None:
+        held.append(msg)
+
+    sub = await stuck.subscribe(p.DETOK, queue=p.DETOKENIZER_QUEUE, cb=hang)
+    await sub.unsubscribe(limit=1)
+    await stuck.flush()
+    timeout_s = 3.0
+    await bus.start(detokenizer=False, detok_batch_size=3, detok_timeout_s=timeout_s)
+    n = 8
+    ids = _token_streams(bus.tokenizer, n)
+    rids = await bus.admit(n, max_tokens=len(ids[0]))
+    stalled, others = rids[:2], rids[2:]
+    bus.step(_outputs(stalled, ids[:2], 0))  # an engine step of 2 requests (the others still in prefill)
+    sent = time.monotonic()
+    await _until(lambda: bool(held), "the stuck replica holds the first batch")
+    assert [e.rid for e in bus.entries(held[0].data)] == stalled
+    await bus.start_detokenizer()
+    bus.step(_outputs(others, ids[2:], 0))
+    for k in range(1, len(ids[0])):
+        bus.step(_outputs(rids, ids, k))
+
+    def others_finished() -> bool:
+        return {d.rid for d in bus.text_deltas if d.finished} >= set(others)
+
+    await _until(others_finished, "the requests outside the held batch finish")
+    assert time.monotonic() - sent < timeout_s, "too slow to tell the stall from the resend"
+    assert not [d for d in bus.text_deltas if d.rid in stalled]  # held back by the stuck replica alone
+    expected = {rid: bus.tokenizer.decode(x) for rid, x in zip(rids, ids, strict=True)}
+    assert await bus.texts(rids) == expected  # resent after the ack timeout, the stalled ones complete too
+    assert time.monotonic() - sent >= timeout_s
+
+
+async def test_a_detok_batch_size_below_one_is_refused_clearly(
+    bus: Bus, capsys: pytest.CaptureFixture[str]
+) -> None:
+    parser = argparse.ArgumentParser()
+    scheduler_app.add_arguments(parser)
+    assert parser.parse_args(["--model", "m"]).detok_batch_size == 64
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model", "m", "--detok-batch-size", "0"])
+    assert "--detok-batch-size: must be >= 1, got 0" in capsys.readouterr().err
+    nc = await bus.connect()
+    with pytest.raises(ValueError, match="detok_batch_size must be >= 1, got 0"):
+        SchedulerService(nc, INSTANCE, "demo", 64, 64, FakeEngineLoop, asyncio.Event(), detok_batch_size=0)

@@ -3,10 +3,11 @@ deadlines and drain. The engine runs on its own thread (engine_loop.py); this si
 
 Admission replies only after engine.add_request succeeded, so an Admitted means the engine has the request.
 A known rid is acknowledged again (the tokenizer and gateway retry with the same rid). Each engine step's
-deltas go to the detokenizer queue group as one TokenDeltaBatch request, retried until acked (delivery.py:
-at-least-once; the gateway drops duplicates by seq): one NATS round trip per step, not one per request. Per
-request one delta is in flight at a time; tokens produced meanwhile ride in its next delta, sent when the
-batch holding the current one is acked.
+deltas go to the detokenizer queue group as TokenDeltaBatch requests of at most `detok_batch_size` deltas, all
+in flight at once so the queue group spreads one step over several replicas; each is retried until acked
+(delivery.py: at-least-once; the gateway drops duplicates by seq): a few NATS round trips per step, not one per
+request. Per request one delta is in flight at a time; tokens produced meanwhile ride in its next delta, sent
+when the batch holding the current one is acked.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
+from itertools import pairwise
 
 import nats.errors
 from kubesgl.engine.types import EngineStats, ModelInfo, RequestOutput
@@ -35,6 +37,7 @@ from kubesgl.protocol import (
     ProtocolError,
     SchedulerStats,
     TextDelta,
+    TokenDelta,
     TokenDeltaBatch,
     check_ids,
     gateway_subject,
@@ -72,7 +75,10 @@ class SchedulerService:
         detok_timeout_s: float = 1.0,
         delivery_give_up_s: float = 30.0,
         kv_event_block_size: int = 0,
+        detok_batch_size: int = 64,
     ) -> None:
+        if detok_batch_size < 1:
+            raise ValueError(f"detok_batch_size must be >= 1, got {detok_batch_size}")
         self.nc = nc
         self.instance_id = instance_id
         self.model = model
@@ -80,6 +86,7 @@ class SchedulerService:
         self.max_queued_requests = max_queued_requests
         self.detok_timeout_s = detok_timeout_s
         self.delivery_give_up_s = delivery_give_up_s
+        self.detok_batch_size = detok_batch_size
         self.exit_code = 0
         self._stop = stop
         self._loop = asyncio.get_running_loop()
@@ -289,8 +296,8 @@ class SchedulerService:
         self._send(streams)
 
     def _send(self, streams: Iterable[RequestStream]) -> None:
-        """Sends the next delta of each stream that has none in flight, together in one TokenDeltaBatch
-        (several only past the NATS payload limit)."""
+        """Sends the next delta of each stream that has none in flight, in the fewest TokenDeltaBatches of at
+        most `detok_batch_size` deltas (more only past the NATS payload limit), all in flight at once."""
         sending: dict[str, RequestStream] = {}
         deltas = []
         for stream in streams:
@@ -303,10 +310,12 @@ class SchedulerService:
         if not deltas:
             return
         self._in_flight.update(sending)
-        for group, body in TokenDeltaBatch.pack(deltas, self.nc.max_payload - _BATCH_HEADROOM_BYTES):
-            task = self._loop.create_task(self._deliver([sending[d.rid] for d in group], body))
-            self._deliveries.add(task)
-            task.add_done_callback(self._deliveries.discard)
+        max_bytes = self.nc.max_payload - _BATCH_HEADROOM_BYTES
+        for chunk in _even_chunks(deltas, self.detok_batch_size):
+            for group, body in TokenDeltaBatch.pack(chunk, max_bytes):
+                task = self._loop.create_task(self._deliver([sending[d.rid] for d in group], body))
+                self._deliveries.add(task)
+                task.add_done_callback(self._deliveries.discard)
 
     async def _deliver(self, streams: list[RequestStream], batch: bytes) -> None:
         """Delivers one batch; then ends the streams it finished and sends what the others produced meanwhile."""
@@ -421,3 +430,11 @@ class SchedulerService:
         for rid, stream in list(self._streams.items()):
             if now > stream.deadline + _DEADLINE_GRACE_S and rid not in self._admissions:
                 self._tasks.spawn(self._abandon(rid, DeadlineExceededError("the request's deadline passed")))
+
+
+def _even_chunks(deltas: list[TokenDelta], cap: int) -> list[list[TokenDelta]]:
+    """`deltas` in order, cut into the fewest chunks of at most `cap`, evenly (65 with cap 64 make 33 + 32),
+    so the replicas sharing a step finish their parts at about the same time."""
+    n = -(-len(deltas) // cap)
+    cuts = [len(deltas) * i // n for i in range(n + 1)]
+    return [deltas[a:b] for a, b in pairwise(cuts)]

@@ -373,7 +373,8 @@ class RouterMetrics:
 
 
 class DetokenizerMetrics:
-    """The detokenizer: its TokenDeltas by status and latency, tokens decoded, NATS."""
+    """The detokenizer: the TokenDeltaBatches it handled (one message each) by status and latency, tokens
+    decoded, NATS."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.requests = StageMetrics(registry, "detokenizer")
