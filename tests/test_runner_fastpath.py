@@ -22,6 +22,8 @@ from kubesgl.engine.transfer import PinnedStaging
 from kubesgl.models.random_init import build_random_model
 
 CPU = torch.device("cpu")
+# The Gumbel kernel runs compiled on a CUDA machine and in Triton's interpreter on CPU tensors elsewhere.
+KDEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def slot_init(slot: int, **params: float | int | bool) -> SlotInit:
@@ -149,7 +151,7 @@ def test_gumbel_kernel_greedy_rows_are_torch_argmax_ties_included() -> None:
     logits[2, 5] = logits[2, 9] = logits[2].max() + 1
     greedy = torch.tensor([True, True, True])
     scale = sampling_scale(torch.ones(3), greedy)
-    tokens = gumbel_tokens(logits, scale, philox_key(0, CPU))
+    tokens = gumbel_tokens(logits.to(KDEV), scale.to(KDEV), philox_key(0, KDEV)).cpu()
     assert tokens.tolist() == logits.float().argmax(dim=-1).tolist() == [int(logits[0].argmax()), 12, 5]
 
 
@@ -166,7 +168,7 @@ def test_gumbel_kernel_picks_across_vocab_splits_first_index_on_ties() -> None:
     logits[2, SPLIT + 7] = logits[2, 2 * SPLIT + 3] = top  # tie across splits 1 and 2
     logits[3, SPLIT - 1] = top  # the last logit of split 0
     scale = sampling_scale(torch.ones(4), torch.ones(4, dtype=torch.bool))
-    tokens = gumbel_tokens(logits, scale, philox_key(0, CPU))
+    tokens = gumbel_tokens(logits.to(KDEV), scale.to(KDEV), philox_key(0, KDEV)).cpu()
     assert tokens.tolist() == logits.argmax(dim=-1).tolist() == [2 * SPLIT + 999, 100, SPLIT + 7, SPLIT - 1]
 
 
@@ -175,13 +177,13 @@ def test_gumbel_kernel_samples_softmax_of_logits_over_temperature() -> None:
     base = torch.tensor([1.0, 0.0, -1.0, 0.5, 0.2])
     logits = base.repeat(rows, 1)  # every row an independent draw (its own Philox offsets)
     scale = sampling_scale(torch.full((rows,), temperature), torch.zeros(rows, dtype=torch.bool))
-    key = philox_key(5, CPU)
-    first = gumbel_tokens(logits, scale, key)
+    logits, scale, key = logits.to(KDEV), scale.to(KDEV), philox_key(5, KDEV)
+    first = gumbel_tokens(logits, scale, key).cpu()
     freq = torch.bincount(first, minlength=5).float() / rows
     assert (freq - torch.softmax(base / temperature, 0)).abs().max() < 0.1  # 4 sigma at 300 draws
-    assert gumbel_tokens(logits, scale, key).tolist() == first.tolist()  # same key, same draw
+    assert gumbel_tokens(logits, scale, key).cpu().tolist() == first.tolist()  # same key, same draw
     key += 1
-    assert gumbel_tokens(logits, scale, key).tolist() != first.tolist()  # the graph advances the key
+    assert gumbel_tokens(logits, scale, key).cpu().tolist() != first.tolist()  # the graph advances the key
 
 
 # --- CUDA: the engine's graph path ----------------------------------------------------------------------
