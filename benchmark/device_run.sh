@@ -26,6 +26,17 @@ case "${1:-full}" in
     timeout 150 $T --attn flashinfer,triton --top 12 --json "$OUT/trace_hybrid.jsonl" 2>&1 | grep -v Warn \
       | tee "$OUT/trace_hybrid.txt"
     ;;
+  final)  # GPU tests, then the offline figures in priority order (each bounded; $OUT keeps what finished)
+    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_attention_backends.py tests/test_kernels.py \
+      tests/test_runner_fastpath.py tests/test_gpu_parity.py 2>&1 | tail -6 | tee "$OUT/gpu_tests.txt"
+    P="env KUBESGL_STEP_PROFILE=1 timeout 90 $B"
+    $P --model Qwen3-0.6B --attn flashinfer 2>&1 | tail -14 | tee "$OUT/p_flashinfer.txt"
+    $P --model Qwen3-0.6B --attn flashinfer,triton 2>&1 | tail -14 | tee "$OUT/p_hybrid.txt"
+    timeout 150 $B --model Qwen3-14B | tail -1
+    timeout 90 $B --model Qwen3-0.6B --disable-overlap | tail -1
+    timeout 90 $B --model Qwen3-0.6B --attn triton | tail -1
+    timeout 90 $B --model Qwen3-0.6B --cuda-graph-max-bs 0 | tail -1
+    ;;
   b)
     $B --model Qwen3-14B
     $B --model Qwen3-0.6B --attn triton

@@ -160,9 +160,11 @@ def test_triton_matches_torch_in_interpreter(shape: Shape, page_size: int, lens:
 
 
 @cpu_interpreter
-@pytest.mark.parametrize("splits", [2, 3, 16])
-def test_triton_split_kv_decode_merges_slices(splits: int) -> None:
-    """More slices than 64-token blocks leaves some slices empty; they must weigh nothing in the merge."""
+@pytest.mark.parametrize(("splits", "min_chunk"), [(2, 0), (3, 0), (16, 0), (4, 64), (4, 128)])
+def test_triton_split_kv_decode_merges_slices(splits: int, min_chunk: int) -> None:
+    """More slices than 64-token blocks leaves some slices empty; they must weigh nothing in the merge. With a
+    shortest slice (`min_chunk`) short requests stay whole and only the 130-token one is cut. Empty slices
+    write no output: the partial buffer starts as NaN, so reading one would show."""
     from kubesgl.attention.triton_kernels import decode_attention
 
     shape = CPU_SHAPES[0]
@@ -170,8 +172,8 @@ def test_triton_split_kv_decode_merges_slices(splits: int) -> None:
     batch.kv.store(LAYER, batch.out_loc, batch.k, batch.v)
     b, h, d = batch.q.shape
     out = torch.full_like(batch.q, float("nan"))
-    partial_out = torch.empty((b, h, splits, d))
-    partial_lse = torch.empty((b, h, splits))
+    partial_out = torch.full((b, h, splits, d), float("nan"))
+    partial_lse = torch.full((b, h, splits), float("nan"))
     decode_attention(
         batch.q,
         batch.kv.k_pages(LAYER),
@@ -182,6 +184,7 @@ def test_triton_split_kv_decode_merges_slices(splits: int) -> None:
         d**-0.5,
         partial_out,
         partial_lse,
+        min_chunk=min_chunk,
     )
     assert_close_to_reference(out, reference(batch, d**-0.5), shape.tol)
 
@@ -308,3 +311,11 @@ def test_flatten_page_table_concatenates_each_requests_pages() -> None:
     table = torch.tensor([[5, 6, 7, -1], [9, -1, -1, -1], [1, 2, 3, 4]], dtype=torch.int32)
     assert flatten_page_table(table, [2, 1, 4]).tolist() == [5, 6, 9, 1, 2, 3, 4]
     assert flatten_page_table(table, [3, 0, 1]).tolist() == [5, 6, 7, 1]
+
+
+def test_decode_splits_cut_every_request_in_small_batches_and_only_long_ones_in_large() -> None:
+    from kubesgl.attention.triton_backend import LONG_SLICE, LONG_SPLITS, MAX_DECODE_SPLITS, decode_splits
+
+    assert decode_splits(1, 8, 132) == (MAX_DECODE_SPLITS, 0)
+    assert decode_splits(16, 8, 132) == (3, 0)
+    assert decode_splits(256, 8, 132) == (LONG_SPLITS, LONG_SLICE)

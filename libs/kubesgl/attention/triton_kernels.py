@@ -85,14 +85,18 @@ def _decode_split_kernel(
     PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    MIN_CHUNK: tl.constexpr,
 ):
-    """One program: all GROUP query heads of one kv head over one contiguous slice of one request's KV."""
+    """One program: all GROUP query heads of one kv head over one contiguous slice of one request's KV.
+
+    A request is cut into at most NUM_SPLITS slices of at least MIN_CHUNK tokens, so in a large batch only
+    long requests are split (their programs no longer trail the batch) and short ones stay whole."""
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
     seq_len = tl.load(seq_lens_ptr + b)
-    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    chunk = tl.maximum(tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N, MIN_CHUNK)
     start = split * chunk
     end = tl.minimum(start + chunk, seq_len)
 
@@ -120,9 +124,11 @@ def _decode_split_kernel(
         )  # fmt: skip
 
     has_kv = end > start
-    out = tl.where(has_kv, acc / tl.where(has_kv, l_i, 1.0)[:, None], 0.0)
+    out = acc / tl.where(has_kv, l_i, 1.0)[:, None]
     out_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :]
-    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
+    # An empty slice writes only its LSE (-inf): the merge reads no output of a slice that has none.
+    width = tl.where(has_kv, HEAD_DIM, 0)
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask_h[:, None] & (offs_d[None, :] < width))
     if NUM_SPLITS > 1:
         # Natural-log LSE of this slice; an empty slice weighs nothing in the merge.
         lse = tl.where(
@@ -157,9 +163,10 @@ def _decode_merge_kernel(
     lse = tl.load(lse_ptr + b * stride_lb + h * stride_lh + offs_s, mask=mask_s, other=float("-inf"))
     w = tl.exp(lse - tl.max(lse, 0))
     w = w / tl.sum(w, 0)
+    filled = mask_s & (lse > float("-inf"))  # empty slices left their output unwritten
     part = tl.load(
         part_ptr + b * stride_pb + h * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :],
-        mask=mask_s[:, None] & (offs_d[None, :] < HEAD_DIM),
+        mask=filled[:, None] & (offs_d[None, :] < HEAD_DIM),
         other=0.0,
     )
     out = tl.sum(part * w[:, None], 0)
@@ -256,11 +263,13 @@ def decode_attention(
     block_n: int = 64,
     num_warps: int = 4,
     num_stages: int = 3,
+    min_chunk: int = 0,
 ) -> torch.Tensor:
     """One query token per request: q/out [B, q_heads, D]; caches [num_pages, page_size, kv_heads, D].
 
     With `partial_out` [B, q_heads, S, D] float32 and `partial_lse` [B, q_heads, S], each request's KV is
-    cut into S slices attended in parallel and merged (flash-decoding); without them S = 1.
+    cut into S slices attended in parallel and merged (flash-decoding); without them S = 1. A slice is at
+    least `min_chunk` tokens long (rounded up to blocks), so requests shorter than that are not cut.
     """
     batch, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
@@ -306,6 +315,7 @@ def decode_attention(
         PAGE_SIZE=page_size,
         BLOCK_N=block_n,
         NUM_SPLITS=num_splits,
+        MIN_CHUNK=-(-min_chunk // block_n) * block_n,
         num_warps=num_warps,
         num_stages=num_stages,
     )
