@@ -11,7 +11,9 @@ step, and the top kernels by total time; `--json` appends one line per batch siz
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import time
 from collections import defaultdict
 from typing import Any
@@ -58,7 +60,9 @@ def trace_batch(llm: Any, bs: int, context: int, steps: int, top: int) -> dict[s
     return report(prof, steps, head, top) | {"bs": bs, "context": context, "step_ms": round(step_ms, 4)}
 
 
-def trace_prefill(llm: Any, tokens: int, context: int, top: int) -> dict[str, Any]:
+def trace_prefill(
+    llm: Any, tokens: int, context: int, top: int, host_profile: bool = False
+) -> dict[str, Any]:
     """One chunked-prefill step of about `tokens` new tokens (requests of `context` tokens, no cache hits)."""
     import torch
     from kubesgl import SamplingParams
@@ -73,12 +77,20 @@ def trace_prefill(llm: Any, tokens: int, context: int, top: int) -> dict[str, An
         )
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    host = cProfile.Profile() if host_profile else None
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         start.record()
+        if host is not None:
+            host.enable()
         eng.step()
+        if host is not None:
+            host.disable()
         end.record()
         torch.cuda.synchronize()
     ms = start.elapsed_time(end)
+    if host is not None:  # where the host's time to enqueue the step goes
+        print(f"\n== host profile of the prefill step ({n} x {context} tokens), by own time", flush=True)
+        pstats.Stats(host).sort_stats("tottime").print_stats(25)
     while eng.has_work():
         eng.step()
     head = f"prefill of {n} x {context} tokens: {ms:.3f} ms (events)"
@@ -127,6 +139,7 @@ def main() -> int:
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--cuda-graph-max-bs", type=int, default=None)
     p.add_argument("--prefill-tokens", type=int, default=0, help="also trace one prefill step of ~N tokens")
+    p.add_argument("--host-profile", action="store_true", help="cProfile the host side of the prefill step")
     p.add_argument("--json", default=None)
     args = p.parse_args()
 
@@ -146,7 +159,9 @@ def main() -> int:
     print(f"attention backend: {type(llm.engine.runner.attn).__name__}", flush=True)
     runs = [lambda bs=bs: trace_batch(llm, bs, args.context, args.steps, args.top) for bs in sizes]
     if args.prefill_tokens:
-        runs.append(lambda: trace_prefill(llm, args.prefill_tokens, args.context, args.top))
+        runs.append(
+            lambda: trace_prefill(llm, args.prefill_tokens, args.context, args.top, args.host_profile)
+        )
     for run in runs:
         res = run()
         res.update(model=args.model, attn=type(llm.engine.runner.attn).__name__)
