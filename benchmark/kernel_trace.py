@@ -70,11 +70,13 @@ def trace_prefill(
 
     eng = llm.engine
     n = max(1, tokens // context)
-    rids = [f"prefill-{i}" for i in range(n)]
-    for i, rid in enumerate(rids):  # distinct first tokens: no prefix-cache hits
-        eng.add_request(
-            rid, [(10007 + 13 * i + 7 * j) % 10000 for j in range(context)], SamplingParams(max_tokens=2)
-        )
+    for warm in (True, False):  # a first step of this shape pays one-time costs (GEMM heuristics, plans)
+        for i in range(n):  # distinct first tokens: no prefix-cache hits
+            prompt = [(10007 + 13 * i + 7 * j + 5000 * warm) % 10000 for j in range(context)]
+            eng.add_request(f"prefill-{warm}-{i}", prompt, SamplingParams(max_tokens=2))
+        if warm:
+            while eng.has_work():
+                eng.step()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     host = cProfile.Profile() if host_profile else None
