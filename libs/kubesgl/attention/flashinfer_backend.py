@@ -134,10 +134,13 @@ class FlashInferAttention:
         indices = flatten_page_table(meta.page_table, num_pages)
         if pad:
             indices = torch.cat([indices, torch.zeros(pad, dtype=indices.dtype, device=indices.device)])
+        # KV lengths in a pinned host tensor: FlashInfer then neither rebuilds them from indptr and
+        # last_page_len on the host nor copies them to its buffer from pageable memory.
         common: dict[str, Any] = {
             "sm_scale": self.scale,
             "q_data_type": self.dtype,
             "kv_data_type": self.dtype,
+            "seq_lens": _pinned_int32(list(meta.seq_lens) + [1] * pad),
         }
         # FlashInfer stages plan data in one pinned buffer per wrapper and copies it asynchronously: wait
         # until the previous plan's copy has run (the start of the batch in flight) before overwriting it.
