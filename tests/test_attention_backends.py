@@ -114,7 +114,8 @@ def reference(batch: Batch, scale: float) -> torch.Tensor:
         kv32.v_pages(layer).copy_(kv.v_pages(layer))
     ref = TorchAttention()
     ref.plan(batch.meta)
-    return ref.forward(batch.q.float(), batch.k.float(), batch.v.float(), LAYER, kv32, batch.out_loc, scale)
+    kv32.store(LAYER, batch.out_loc, batch.k.float(), batch.v.float())
+    return ref.forward(batch.q.float(), LAYER, kv32, scale)
 
 
 def assert_close_to_reference(out: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
@@ -138,7 +139,8 @@ def make(name: str, shape: Shape, page_size: int) -> object:
 
 def run_backend(backend: object, batch: Batch, scale: float) -> torch.Tensor:
     backend.plan(batch.meta)
-    return backend.forward(batch.q, batch.k, batch.v, LAYER, batch.kv, batch.out_loc, scale)
+    batch.kv.store(LAYER, batch.out_loc, batch.k, batch.v)  # the layer writes the batch's K/V first
+    return backend.forward(batch.q, LAYER, batch.kv, scale)
 
 
 def check_backend(name: str, shape: Shape, page_size: int, lens: Lens, seed: int) -> None:
@@ -205,7 +207,8 @@ def test_triton_graph_replay_pads_batch_into_scratch_page() -> None:
         pad = torch.zeros((2, *batch.q.shape[1:]))
         q, k, v = (torch.cat([x, pad[:, : x.shape[1]]]) for x in (batch.q, batch.k, batch.v))
         out_loc = torch.cat([batch.out_loc, torch.zeros(2, dtype=batch.out_loc.dtype)])
-        out = backend.forward(q, k, v, LAYER, batch.kv, out_loc, shape.head_dim**-0.5)
+        batch.kv.store(LAYER, out_loc, k, v)
+        out = backend.forward(q, LAYER, batch.kv, shape.head_dim**-0.5)
         assert torch.isfinite(out).all()
         assert_close_to_reference(out[:3], reference(batch, shape.head_dim**-0.5), shape.tol)
 
@@ -282,7 +285,8 @@ def test_decode_graph_replays_new_batches(name: str) -> None:
     }
 
     def run() -> torch.Tensor:
-        return backend.forward(static["q"], static["k"], static["v"], LAYER, kv, static["out_loc"], scale)
+        kv.store(LAYER, static["out_loc"], static["k"], static["v"])
+        return backend.forward(static["q"], LAYER, kv, scale)
 
     backend.plan_capture(bs)
     stream = torch.cuda.Stream()

@@ -12,7 +12,7 @@ from kubesgl.kernels import activation_triton, fused_moe_triton, norm_triton, qk
 from kubesgl.kernels.activation import silu_and_mul, silu_and_mul_torch
 from kubesgl.kernels.fused_moe import fused_moe
 from kubesgl.kernels.norm import fused_add_rms_norm, rms_norm, rms_norm_torch
-from kubesgl.kernels.qkv_prep import qkv_prep, qkv_prep_torch
+from kubesgl.kernels.qkv_prep import qkv_prep_torch
 from kubesgl.kernels.rotary import apply_rotary_neox, apply_rotary_neox_torch
 from kubesgl.layers.moe import experts_forward, route_topk
 from kubesgl.layers.rotary import RotaryEmbedding
@@ -253,4 +253,4 @@ def test_gpu_qkv_prep_matches_unfused_ops(tokens: int) -> None:
         case["out_loc"] = torch.randperm(slots_needed, generator=gen).cuda()
         case["k_cache"] = torch.zeros(slots_needed, 8, 128, dtype=torch.bfloat16, device="cuda")
         case["v_cache"] = torch.zeros_like(case["k_cache"])
-    check_qkv_prep(qkv_prep, case, 1e-2)
+    check_qkv_prep(qkv_prep_triton.qkv_prep, case, 1e-2)

@@ -2,8 +2,8 @@
 
 A backend turns a batch's layout (lengths and page table) into whatever its kernels need in
 `plan` (FlashInfer's plan(), Triton's index arrays, FA3's cu_seqlens), then `forward` is called by every
-attention layer with that layer's q/k/v. New K/V are written to the cache by the backend itself, so a
-backend may fuse the store into its kernel.
+attention layer with that layer's q. The layer has already written the batch's new K/V to the cache (on CUDA
+in the same kernel that normalises and rotates q and k), so backends only read the cache.
 """
 
 from __future__ import annotations
@@ -49,12 +49,10 @@ class AttentionBackend(Protocol):
     def forward(
         self,
         q: torch.Tensor,  # [T, q_heads, head_dim]
-        k: torch.Tensor | None,  # [T, kv_heads, head_dim]; None: already in the cache at out_loc
-        v: torch.Tensor | None,  # [T, kv_heads, head_dim]; None with k
         layer: int,
         kv: KVCache,
-        out_loc: torch.Tensor,  # [T] flat KV slots for the new tokens
         scale: float,
     ) -> torch.Tensor:  # [T, q_heads, head_dim]
-        """Stores k/v at out_loc, then attends q over the request's whole KV (causal within the batch)."""
+        """Attends q over each request's whole KV in layer `layer` of `kv` (causal within the batch); the
+        batch's own K/V are already in the cache."""
         ...

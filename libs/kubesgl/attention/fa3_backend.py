@@ -43,16 +43,12 @@ class FA3Attention:
     def forward(
         self,
         q: torch.Tensor,
-        k: torch.Tensor | None,
-        v: torch.Tensor | None,
         layer: int,
         kv: KVCache,
-        out_loc: torch.Tensor,
         scale: float,
     ) -> torch.Tensor:
         meta = self._meta
         assert meta is not None, "plan() must run before forward()"
-        kv.store(layer, out_loc, k, v)
         return self._attn(
             q=q,
             k_cache=kv.k_pages(layer),

@@ -178,11 +178,8 @@ class FlashInferAttention:
     def forward(
         self,
         q: torch.Tensor,
-        k: torch.Tensor | None,
-        v: torch.Tensor | None,
         layer: int,
         kv: KVCache,
-        out_loc: torch.Tensor,
         scale: float,
     ) -> torch.Tensor:
         assert self._active is not None, "plan() must run before forward()"
@@ -190,7 +187,6 @@ class FlashInferAttention:
             raise ValueError(
                 f"FlashInfer was planned with softmax scale {self.scale}, the layer asks {scale}"
             )
-        kv.store(layer, out_loc, k, v)
         return self._active.run(q.contiguous(), (kv.k_pages(layer), kv.v_pages(layer)))
 
     # CUDA-graph hooks (decode only): init once; plan_capture(bs) before capturing batch size bs (not

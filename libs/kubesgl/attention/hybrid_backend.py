@@ -30,14 +30,11 @@ class HybridAttention:
     def forward(
         self,
         q: torch.Tensor,
-        k: torch.Tensor | None,
-        v: torch.Tensor | None,
         layer: int,
         kv: KVCache,
-        out_loc: torch.Tensor,
         scale: float,
     ) -> torch.Tensor:
-        return self._active.forward(q, k, v, layer, kv, out_loc, scale)
+        return self._active.forward(q, layer, kv, scale)
 
     def init_cuda_graph(self, max_bs: int, max_pages: int) -> None:
         self._graph_backend().init_cuda_graph(max_bs, max_pages)

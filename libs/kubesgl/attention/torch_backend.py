@@ -34,16 +34,12 @@ class TorchAttention:
     def forward(
         self,
         q: torch.Tensor,
-        k: torch.Tensor | None,
-        v: torch.Tensor | None,
         layer: int,
         kv: KVCache,
-        out_loc: torch.Tensor,
         scale: float,
     ) -> torch.Tensor:
         meta = self._meta
         assert meta is not None, "plan() must run before forward()"
-        kv.store(layer, out_loc, k, v)
         k_all, v_all = kv.k_flat(layer), kv.v_flat(layer)
         group = q.shape[1] // kv.num_kv_heads
         out = torch.empty_like(q)

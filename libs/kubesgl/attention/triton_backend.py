@@ -163,16 +163,12 @@ class TritonAttention:
     def forward(
         self,
         q: torch.Tensor,
-        k: torch.Tensor | None,
-        v: torch.Tensor | None,
         layer: int,
         kv: KVCache,
-        out_loc: torch.Tensor,
         scale: float,
     ) -> torch.Tensor:
         plan = self._plan
         assert plan is not None, "plan() must run before forward()"
-        kv.store(layer, out_loc, k, v)
         out = torch.empty_like(q)
         k_cache, v_cache = kv.k_pages(layer), kv.v_pages(layer)
         if isinstance(plan, _DecodePlan):

@@ -1,14 +1,13 @@
 """The stretch between the qkv projection and attention: q/k RMSNorm per head, RoPE, and the KV store.
 
-`qkv_prep` runs it as one Triton kernel on CUDA (`qkv_prep_triton`); `qkv_prep_torch` is the same contract
-composed from the unfused reference ops, for any device and as the tests' reference.
+On CUDA the decoder runs it as one Triton kernel (`qkv_prep_triton.qkv_prep`); `qkv_prep_torch` is the same
+contract composed from the unfused reference ops, the kernel's reference in the tests.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kubesgl.kernels.dispatch import use_triton
 from kubesgl.kernels.norm import rms_norm_torch
 from kubesgl.kernels.rotary import apply_rotary_neox_torch
 
@@ -39,41 +38,3 @@ def qkv_prep_torch(
     k_cache.view(-1, num_kv_heads, head_dim)[out_loc] = k.to(k_cache.dtype)
     v_cache.view(-1, num_kv_heads, head_dim)[out_loc] = v.reshape(t, num_kv_heads, head_dim).to(v_cache.dtype)
     return q
-
-
-def qkv_prep(
-    qkv: torch.Tensor,
-    positions: torch.Tensor,
-    out_loc: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    q_norm_weight: torch.Tensor | None,
-    k_norm_weight: torch.Tensor | None,
-    eps: float,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    num_q_heads: int,
-    num_kv_heads: int,
-) -> torch.Tensor:
-    """qkv [T, (q_heads + 2 * kv_heads) * D] -> q [T, q_heads, D] (normed, rotated); the tokens' k (normed,
-    rotated) and v are written to slots `out_loc` of one layer's k_cache/v_cache [slots, kv_heads, D]."""
-    if use_triton(qkv):
-        from kubesgl.kernels import qkv_prep_triton
-
-        fn = qkv_prep_triton.qkv_prep
-    else:
-        fn = qkv_prep_torch
-    return fn(
-        qkv,
-        positions,
-        out_loc,
-        cos,
-        sin,
-        q_norm_weight,
-        k_norm_weight,
-        eps,
-        k_cache,
-        v_cache,
-        num_q_heads,
-        num_kv_heads,
-    )

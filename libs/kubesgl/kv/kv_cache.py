@@ -47,13 +47,8 @@ class KVCache:
     def v_flat(self, layer: int) -> torch.Tensor:
         return self._v[layer].view(-1, self.num_kv_heads, self.head_dim)
 
-    def store(
-        self, layer: int, out_loc: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None
-    ) -> None:
-        """Writes new tokens' K/V ([T, kv_heads, head_dim]) to their slots; None: the caller already did."""
-        if k is None or v is None:
-            assert k is None and v is None, "k and v are stored together"
-            return
+    def store(self, layer: int, out_loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Writes new tokens' K/V ([T, kv_heads, head_dim]) to their slots."""
         self.k_flat(layer)[out_loc] = k.to(self.dtype)
         self.v_flat(layer)[out_loc] = v.to(self.dtype)
 

@@ -1,4 +1,4 @@
-"""The attention layer: hands one layer's q/k/v to the batch's attention backend (which owns the KV store)."""
+"""The attention layer: hands one layer's q to the batch's attention backend, which reads the paged KV cache."""
 
 from __future__ import annotations
 
@@ -22,19 +22,8 @@ class Attention(nn.Module):
         self.scale = scale
         self.layer_id = layer_id
 
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, fb: ForwardBatch
-    ) -> torch.Tensor:
-        """q [T, heads*D], k/v [T, kv_heads*D] -> [T, heads*D]. k and v are None when the caller has already
-        written them to the cache (the fused `qkv_prep` path)."""
+    def forward(self, q: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        """q [T, heads*D] -> [T, heads*D], over this layer's KV cache, which already holds the batch's K/V."""
         t = q.shape[0]
-        out = fb.attn.forward(
-            q.view(t, self.num_heads, self.head_dim),
-            None if k is None else k.view(t, self.num_kv_heads, self.head_dim),
-            None if v is None else v.view(t, self.num_kv_heads, self.head_dim),
-            self.layer_id,
-            fb.kv,
-            fb.out_loc,
-            self.scale,
-        )
+        out = fb.attn.forward(q.view(t, self.num_heads, self.head_dim), self.layer_id, fb.kv, self.scale)
         return out.reshape(t, self.num_heads * self.head_dim)

@@ -16,7 +16,6 @@ from torch import nn
 from kubesgl.distributed import TPGroup
 from kubesgl.errors import UnsupportedModelError
 from kubesgl.kernels.dispatch import use_triton
-from kubesgl.kernels.qkv_prep import qkv_prep
 from kubesgl.layers.activation import SiluAndMul
 from kubesgl.layers.attention import Attention
 from kubesgl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -70,15 +69,23 @@ class DecoderAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
-        if use_triton(qkv):  # one kernel: q/k norms, RoPE, K/V into the cache; attention reads q only
-            return self.o_proj(self.attn(self._prep_fused(qkv, positions, fb), None, None, fb))
+        prep = self._prep_fused if use_triton(qkv) else self._prep
+        return self.o_proj(self.attn(prep(qkv, positions, fb), fb))
+
+    def _prep(self, qkv: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        """q/k norms and RoPE op by op (HF's arithmetic, bit for bit on CPU), K/V into the cache; returns q."""
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self._norm_heads(q, self.q_norm), self._norm_heads(k, self.k_norm)
         q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v.contiguous(), fb))
+        t, heads, d = q.shape[0], self.attn.num_kv_heads, self.head_dim
+        fb.kv.store(self.attn.layer_id, fb.out_loc, k.view(t, heads, d), v.view(t, heads, d))
+        return q
 
     def _prep_fused(self, qkv: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        """The same in one Triton kernel (`kernels/qkv_prep_triton.py`)."""
+        from kubesgl.kernels.qkv_prep_triton import qkv_prep
+
         layer = self.attn.layer_id
         qn, kn = self.q_norm, self.k_norm
         return qkv_prep(
@@ -94,7 +101,7 @@ class DecoderAttention(nn.Module):
             fb.kv.v_flat(layer),
             self.attn.num_heads,
             self.attn.num_kv_heads,
-        )
+        ).view(qkv.shape[0], -1)
 
 
 class DenseMLP(nn.Module):
