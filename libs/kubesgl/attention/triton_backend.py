@@ -7,6 +7,7 @@ size, which keeps a captured CUDA graph valid for any sequence lengths at that b
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -29,6 +30,7 @@ class _DecodePlan:
     seq_lens: torch.Tensor
     partial_out: torch.Tensor | None  # [B, q_heads, S, D] float32 when S > 1
     partial_lse: torch.Tensor | None  # [B, q_heads, S] float32
+    min_chunk: int  # shortest slice in tokens (decode_splits)
 
 
 @dataclass
@@ -125,8 +127,7 @@ class TritonAttention:
 
     def plan(self, meta: AttentionMetadata) -> None:
         if meta.mode == "decode":
-            partial_out, partial_lse = self._partials(meta.batch_size)
-            self._plan = _DecodePlan(meta.page_table, meta.seq_lens_dev, partial_out, partial_lse)
+            self._plan = self._decode_plan(meta.page_table, meta.seq_lens_dev, meta.batch_size)
             return
         b = meta.batch_size
         q_starts = exclusive_cumsum(meta.extend_lens)[:b]
@@ -135,30 +136,31 @@ class TritonAttention:
         )
         self._plan = _ExtendPlan(meta.page_table, ints[0], ints[1], ints[2], max(meta.extend_lens))
 
-    def _splits(self, batch_size: int) -> int:
-        return self._split_policy(batch_size)[0]
-
     def _split_policy(self, batch_size: int) -> tuple[int, int]:
         if self._fixed_splits:
             return self._fixed_splits, 0
         return decode_splits(batch_size, self.num_kv_heads, self._num_sms)
 
-    def _partials(
-        self, batch_size: int, pool: _GraphBuffers | None = None
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        splits = self._splits(batch_size)
+    def _decode_plan(
+        self,
+        page_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        batch_size: int,
+        pool: _GraphBuffers | None = None,
+    ) -> _DecodePlan:
+        """The batch's split policy and its partial-result buffers (from the graph pool when given)."""
+        splits, min_chunk = self._split_policy(batch_size)
         if splits == 1:
-            return None, None
+            return _DecodePlan(page_table, seq_lens, None, None, min_chunk)
         out_shape = (batch_size, self.num_q_heads, splits, self.head_dim)
         lse_shape = (batch_size, self.num_q_heads, splits)
         if pool is None:
             out = torch.empty(out_shape, dtype=torch.float32, device=self.device)
-            return out, torch.empty(lse_shape, dtype=torch.float32, device=self.device)
-        n_out, n_lse = (
-            out_shape[0] * out_shape[1] * splits * self.head_dim,
-            lse_shape[0] * lse_shape[1] * splits,
-        )
-        return pool.partial_out[:n_out].view(out_shape), pool.partial_lse[:n_lse].view(lse_shape)
+            lse = torch.empty(lse_shape, dtype=torch.float32, device=self.device)
+        else:
+            out = pool.partial_out[: math.prod(out_shape)].view(out_shape)
+            lse = pool.partial_lse[: math.prod(lse_shape)].view(lse_shape)
+        return _DecodePlan(page_table, seq_lens, out, lse, min_chunk)
 
     def forward(
         self,
@@ -182,7 +184,7 @@ class TritonAttention:
                 scale,
                 plan.partial_out,
                 plan.partial_lse,
-                min_chunk=self._split_policy(q.shape[0])[1],
+                min_chunk=plan.min_chunk,
                 **self._decode_cfg,
             )
         return self._kernels.extend_attention(
@@ -202,7 +204,7 @@ class TritonAttention:
     # size `bs`, and plan_replay before each replay at `bs` (the real batch padded up to it).
 
     def init_cuda_graph(self, max_bs: int, max_pages: int) -> None:
-        most = max(bs * self._splits(bs) for bs in range(1, max_bs + 1))
+        most = max(bs * self._split_policy(bs)[0] for bs in range(1, max_bs + 1))
         self._graph = _GraphBuffers(
             page_table=torch.zeros((max_bs, max_pages), dtype=torch.int32, device=self.device),
             seq_lens=torch.ones(max_bs, dtype=torch.int32, device=self.device),
@@ -214,8 +216,7 @@ class TritonAttention:
 
     def plan_capture(self, bs: int) -> None:
         g = self._graph_buffers(bs)
-        partial_out, partial_lse = self._partials(bs, g)
-        self._plan = _DecodePlan(g.page_table[:bs], g.seq_lens[:bs], partial_out, partial_lse)
+        self._plan = self._decode_plan(g.page_table[:bs], g.seq_lens[:bs], bs, g)
 
     def plan_replay(self, meta: AttentionMetadata, bs: int) -> None:
         g = self._graph_buffers(bs)

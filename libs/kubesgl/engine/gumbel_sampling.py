@@ -95,12 +95,12 @@ def gumbel_tokens(logits: torch.Tensor, scale: torch.Tensor, key: torch.Tensor) 
     b, vocab = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    n_splits = triton.cdiv(vocab, SPLIT)
-    part_val = torch.empty((b, n_splits), dtype=torch.float32, device=logits.device)
-    part_idx = torch.empty((b, n_splits), dtype=torch.int32, device=logits.device)
     out = torch.empty(b, dtype=torch.int64, device=logits.device)
     if b == 0:
         return out
+    n_splits = triton.cdiv(vocab, SPLIT)
+    part_val = torch.empty((b, n_splits), dtype=torch.float32, device=logits.device)
+    part_idx = torch.empty((b, n_splits), dtype=torch.int32, device=logits.device)
     _gumbel_partial_kernel[(b, n_splits)](
         logits,
         logits.stride(0),
