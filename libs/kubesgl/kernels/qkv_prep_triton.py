@@ -16,38 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _heads(
-    src,
-    dst,
-    w_ptr,
-    cos,
-    sin,
-    eps,
-    num_heads,
-    HALF: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    HAS_NORM: tl.constexpr,
-):
-    """Normalises (optionally) and rotates `num_heads` heads at `src`, writing them densely at `dst`."""
-    offs_h = tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask = (offs_h[:, None] < num_heads) & (offs_d[None, :] < HALF)
-    at = offs_h[:, None] * (2 * HALF) + offs_d[None, :]
-    x1 = tl.load(src + at, mask=mask, other=0.0)
-    x2 = tl.load(src + at + HALF, mask=mask, other=0.0)
-    if HAS_NORM:
-        a, b = x1.to(tl.float32), x2.to(tl.float32)
-        rstd = tl.rsqrt((tl.sum(a * a, 1) + tl.sum(b * b, 1)) / (2 * HALF) + eps)[:, None]
-        w1 = tl.load(w_ptr + offs_d, mask=offs_d < HALF, other=0.0)[None, :]
-        w2 = tl.load(w_ptr + HALF + offs_d, mask=offs_d < HALF, other=0.0)[None, :]
-        x1 = (a * rstd).to(x1.dtype) * w1
-        x2 = (b * rstd).to(x2.dtype) * w2
-    f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-    tl.store(dst + at, (f1 * cos - f2 * sin).to(dst.dtype.element_ty), mask=mask)
-    tl.store(dst + at + HALF, (f2 * cos + f1 * sin).to(dst.dtype.element_ty), mask=mask)
+from kubesgl.kernels.rotary_triton import norm_rotate_heads
 
 
 @triton.jit
@@ -82,8 +51,10 @@ def _qkv_prep_kernel(
     head = 2 * HALF
     row = qkv_ptr + t * stride_qkv
     q_size, kv_size = num_q_heads * head, num_kv_heads * head
-    _heads(row, q_out_ptr + t * q_size, qw_ptr, cos, sin, eps, num_q_heads, HALF, BLOCK_HQ, BLOCK_D, HAS_NORM)
-    _heads(
+    norm_rotate_heads(
+        row, q_out_ptr + t * q_size, qw_ptr, cos, sin, eps, num_q_heads, HALF, BLOCK_HQ, BLOCK_D, HAS_NORM
+    )
+    norm_rotate_heads(
         row + q_size,
         k_cache_ptr + loc * kv_size,
         kw_ptr,

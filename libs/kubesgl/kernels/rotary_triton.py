@@ -8,13 +8,37 @@ import triton.language as tl
 
 
 @triton.jit
-def _rotate_heads(x_ptr, row, stride_row, cos, sin, num_heads, offs_h, offs_d, HALF: tl.constexpr):
+def norm_rotate_heads(
+    src,
+    dst,
+    w_ptr,
+    cos,
+    sin,
+    eps,
+    num_heads,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+):
+    """Rotates `num_heads` dense heads at `src` into `dst` (may be `src`), after an RMSNorm per head (HF's
+    arithmetic: float32, rounded, times the weight) when HAS_NORM. Also the body of qkv_prep_triton."""
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_h[:, None] < num_heads) & (offs_d[None, :] < HALF)
-    ptrs = x_ptr + row * stride_row + offs_h[:, None] * (2 * HALF) + offs_d[None, :]
-    x1 = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
-    tl.store(ptrs, (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty), mask=mask)
-    tl.store(ptrs + HALF, (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty), mask=mask)
+    at = offs_h[:, None] * (2 * HALF) + offs_d[None, :]
+    x1 = tl.load(src + at, mask=mask, other=0.0)
+    x2 = tl.load(src + at + HALF, mask=mask, other=0.0)
+    if HAS_NORM:
+        a, b = x1.to(tl.float32), x2.to(tl.float32)
+        rstd = tl.rsqrt((tl.sum(a * a, 1) + tl.sum(b * b, 1)) / (2 * HALF) + eps)[:, None]
+        w1 = tl.load(w_ptr + offs_d, mask=offs_d < HALF, other=0.0)[None, :]
+        w2 = tl.load(w_ptr + HALF + offs_d, mask=offs_d < HALF, other=0.0)[None, :]
+        x1 = (a * rstd).to(x1.dtype) * w1
+        x2 = (b * rstd).to(x2.dtype) * w2
+    f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+    tl.store(dst + at, (f1 * cos - f2 * sin).to(dst.dtype.element_ty), mask=mask)
+    tl.store(dst + at + HALF, (f2 * cos + f1 * sin).to(dst.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -39,8 +63,9 @@ def _rotary_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     cos = tl.load(cos_ptr + pos * stride_cs + offs_d, mask=offs_d < HALF, other=0.0)[None, :]
     sin = tl.load(sin_ptr + pos * stride_cs + offs_d, mask=offs_d < HALF, other=0.0)[None, :]
-    _rotate_heads(q_ptr, row, stride_q, cos, sin, num_q_heads, tl.arange(0, BLOCK_HQ), offs_d, HALF)
-    _rotate_heads(k_ptr, row, stride_k, cos, sin, num_k_heads, tl.arange(0, BLOCK_HK), offs_d, HALF)
+    q, k = q_ptr + row * stride_q, k_ptr + row * stride_k
+    norm_rotate_heads(q, q, cos_ptr, cos, sin, 0.0, num_q_heads, HALF, BLOCK_HQ, BLOCK_D, False)
+    norm_rotate_heads(k, k, cos_ptr, cos, sin, 0.0, num_k_heads, HALF, BLOCK_HK, BLOCK_D, False)
 
 
 def apply_rotary_neox(
