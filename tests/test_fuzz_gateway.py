@@ -1,14 +1,21 @@
 """Fuzzing the gateway of a live stack with schemathesis: bodies, query and path parameters generated from the
 gateway's own /openapi.json (valid and invalid ones) for every operation. No response may be a 5xx, and every
 refusal carries OpenAI's error body. `model` is pinned to the served model so that valid requests really reach
-the scheduler; token budgets are capped so that they finish quickly."""
+the scheduler; token budgets are capped so that they finish quickly.
+
+Under `make test` the examples are derandomized (the same ones on every run, so CI decides the same way each
+time); `make fuzz` sets KUBESGL_FUZZ_EXAMPLES and a fresh `--hypothesis-seed` (printed, to replay a failure).
+Every case fuzzing ever found is kept in FOUND below and sent on every run."""
 
 from __future__ import annotations
 
+import json
+import os
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import pytest
 import schemathesis
 from conftest import TEST_SCHEDULER_ARGS, StackFactory
@@ -16,11 +23,24 @@ from hypothesis import HealthCheck, given, settings
 from kubesgl.launcher import Stack
 from schemathesis import GenerationMode
 
-pytestmark = pytest.mark.timeout(300)
+FUZZING = int(os.environ.get("KUBESGL_FUZZ_EXAMPLES", "0"))  # examples per operation, from `make fuzz`
+pytestmark = pytest.mark.timeout(300 + FUZZING)
 
 MODEL = "demo"
-EXAMPLES_PER_OPERATION = 150  # 4 operations take generated input: several hundred requests in all
+# 4 operations take generated input: several hundred requests in all.
+EXAMPLES_PER_OPERATION = FUZZING or 150
 TOKEN_CAP = 4
+
+# Every request fuzzing has found a server error with, and the status it must get now.
+FOUND: list[tuple[str, str, int]] = [
+    # msgpack could not encode an integer below int64 in the template kwargs: was a 500.
+    (
+        "/v1/chat/completions",
+        '{"messages":[{"role":"user","content":""}],"model":"demo",'
+        '"chat_template_kwargs":{"":-9223372036854775809},"max_tokens":4,"n":2}',
+        400,
+    ),
+]
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +96,7 @@ def test_no_generated_request_gets_a_server_error(served: Stack, method: str, pa
     @given(case=cases)
     @settings(
         max_examples=EXAMPLES_PER_OPERATION,
+        derandomize=not FUZZING,
         deadline=None,
         database=None,
         suppress_health_check=list(HealthCheck),
@@ -95,3 +116,35 @@ def test_no_generated_request_gets_a_server_error(served: Stack, method: str, pa
         # The pinned model lets valid requests through to the scheduler. (/generate's schema leaves sampling
         # values unconstrained, so its generated requests are nearly all refusals.)
         assert statuses[200] > 0, statuses
+
+
+@pytest.mark.parametrize(("path", "body", "status"), FOUND)
+def test_cases_fuzzing_found_stay_fixed(served: Stack, path: str, body: str, status: int) -> None:
+    response = httpx.post(
+        f"{served.gateway_urls[0]}{path}",
+        content=body,
+        headers={"content-type": "application/json"},
+        timeout=60,
+    )
+    assert response.status_code == status, response.text
+    assert response.json()["error"]["message"]
+
+
+def test_a_body_too_big_for_the_bus_is_413_not_500(served: Stack) -> None:
+    # Under the 1 MiB HTTP limit as JSON (4 bytes a float), over NATS' 1 MiB max_payload as msgpack (9 bytes).
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "x"}],
+        "max_tokens": 1,
+        "chat_template_kwargs": {"weights": [0.5] * 180_000},
+    }
+    raw = json.dumps(body, separators=(",", ":"))
+    assert len(raw) < 1 << 20
+    response = httpx.post(
+        f"{served.gateway_urls[0]}/v1/chat/completions",
+        content=raw,
+        headers={"content-type": "application/json"},
+        timeout=60,
+    )
+    assert response.status_code == 413, response.text
+    assert "message bus" in response.json()["error"]["message"]

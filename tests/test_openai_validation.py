@@ -185,7 +185,7 @@ def test_malformed_json_is_a_400() -> None:
         ),
         (
             '{"model": "m", "messages": [{"role": "user", "content": "x"}], "stop_token_ids": [99999999999999999999]}',
-            "stop_token_ids",
+            "stop_token_ids.0",  # the element, as for messages.0.name
         ),
         ('{"model": "m", "messages": [{"role": "user", "content": "x", "name": "bob"}]}', "messages.0.name"),
     ],

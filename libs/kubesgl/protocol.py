@@ -8,6 +8,7 @@ a rolling upgrade. Subjects carry the protocol version (`kubesgl.v1.`) so two ve
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Self, TypeVar
 
@@ -86,6 +87,47 @@ def _token(name: str) -> str:
 
 class ProtocolError(ValueError):
     """A body that is not a valid message of the expected type."""
+
+
+# What msgpack carries of a client's free-form JSON (chat_template_kwargs, tool definitions, ...). Checked where
+# the value enters (the gateway's request models), so encoding a message can never fail on user data.
+WIRE_INT_MIN, WIRE_INT_MAX = -(2**63), 2**63 - 1
+MAX_JSON_DEPTH = 32
+MAX_JSON_STRING = 1 << 16
+
+
+def json_value_error(value: Any, where: str) -> str | None:
+    """Why `value` (parsed JSON) cannot travel on the wire, naming the offending path; None when it can."""
+    return _json_error(value, where, where, 0)
+
+
+def _json_error(value: Any, root: str, where: str, depth: int) -> str | None:
+    if depth > MAX_JSON_DEPTH:
+        return f"{root} is nested deeper than {MAX_JSON_DEPTH} levels"
+    if value is None or isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return (
+            None if WIRE_INT_MIN <= value <= WIRE_INT_MAX else f"{where} is outside the 64-bit integer range"
+        )
+    if isinstance(value, float):
+        return None if math.isfinite(value) else f"{where} is not a finite number"
+    if isinstance(value, str):
+        return (
+            None if len(value) <= MAX_JSON_STRING else f"{where} is longer than {MAX_JSON_STRING} characters"
+        )
+    if isinstance(value, list):
+        items = ((f"{where}[{i}]", v) for i, v in enumerate(value))
+    elif isinstance(value, dict):
+        for k in value:
+            if not isinstance(k, str):
+                return f"{where} has a non-string key {k!r}"
+            if len(k) > MAX_JSON_STRING:
+                return f"{where} has a key longer than {MAX_JSON_STRING} characters"
+        items = ((f"{where}[{k!r}]", v) for k, v in value.items())
+    else:
+        return f"{where} holds a {type(value).__name__}, which is not a JSON value"
+    return next((e for path, v in items if (e := _json_error(v, root, path, depth + 1))), None)
 
 
 _MAX_ID_LEN = 256

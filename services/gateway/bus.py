@@ -12,7 +12,7 @@ from collections.abc import Coroutine
 from typing import Any
 
 import nats.errors
-from kubesgl.errors import DeadlineExceededError, ServiceUnavailableError
+from kubesgl.errors import DeadlineExceededError, PayloadTooLargeError, ServiceUnavailableError
 from kubesgl.protocol import (
     ABORT,
     HEARTBEAT,
@@ -122,6 +122,10 @@ class GatewayBus:
         backoff = 0.05
         hdrs = headers(req.rid, req.deadline, traceparent)
         body = req.to_bytes()
+        if len(body) > self.nc.max_payload:  # NATS would refuse it: the client's answer, not a server fault
+            raise PayloadTooLargeError(
+                f"the request is {len(body)} bytes on the message bus, above its limit of {self.nc.max_payload}"
+            )
         while True:
             remaining = req.deadline - time.time()
             if remaining <= 0:

@@ -3,10 +3,14 @@ services report arrive via protocol.error_from_dict."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kubesgl.errors import InvalidRequestError, KubesglError
+
+_TYPE_TAG = re.compile(r"[\[\-]")
+_TYPE_NAMES = frozenset({"str", "int", "float", "bool"})
 
 
 def error_body(err: KubesglError) -> dict[str, Any]:
@@ -14,17 +18,22 @@ def error_body(err: KubesglError) -> dict[str, Any]:
 
 
 def error_from_validation(errors: Sequence[Mapping[str, Any]]) -> InvalidRequestError:
-    """One 400 from pydantic/FastAPI validation errors, naming the first offending field."""
-    first = errors[0] if errors else {"type": "missing", "loc": ("body",), "msg": "request body is required"}
+    """One 400 from pydantic/FastAPI validation errors, naming the first offending field.
+
+    Of a union's branch errors, a broken constraint (out of range, too long) says more than "not a string"."""
+    first = next((e for e in errors if not str(e.get("type", "")).endswith("_type")), None) or (
+        errors[0] if errors else {"type": "missing", "loc": ("body",), "msg": "request body is required"}
+    )
     if first.get("type") == "json_invalid":
         detail = (first.get("ctx") or {}).get("error", first.get("msg"))
         return InvalidRequestError(f"malformed JSON body: {detail}")
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    # Union branches show up in `loc` as type names (e.g. "list[int]"); they are no field of the request.
-    param = ".".join(p for p in loc if "[" not in p and p not in ("str", "int", "float", "bool")) or None
+    # Union branches show up in `loc` as type tags ("list[int]", "constrained-str"); no field of the request.
+    param = ".".join(p for p in loc if not _TYPE_TAG.search(p) and p not in _TYPE_NAMES) or None
     if first.get("type") == "extra_forbidden":
         return InvalidRequestError(f"unsupported field: {param}", param=param)
     if first.get("type") == "missing" and not param:
         return InvalidRequestError("request body is required (JSON object)")
-    where = f"{param}: " if param else ""
-    return InvalidRequestError(f"{where}{first.get('msg', 'invalid value')}", param=param)
+    msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")  # our validators' own words
+    where = f"{param}: " if param and not msg.startswith(param) else ""
+    return InvalidRequestError(f"{where}{msg}", param=param)

@@ -3,9 +3,25 @@ know, or a value of the wrong type, is a 400 naming the field, never silently co
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo
+
+from kubesgl.protocol import WIRE_INT_MAX, WIRE_INT_MIN, json_value_error
+
+# Every integer a client sends travels as a msgpack int64: out of that range is a 400 naming the field.
+Int = Annotated[int, Field(ge=WIRE_INT_MIN, le=WIRE_INT_MAX)]
+ShortStr = Annotated[str, Field(max_length=512)]
+
+
+def _wire_json(value: Any, info: ValidationInfo) -> Any:
+    if error := json_value_error(value, info.field_name or "value"):
+        raise ValueError(error)
+    return value
+
+
+# Free-form JSON the wire carries as is (template kwargs, tool schemas): checked whole where it enters.
+JsonObject = Annotated[dict[str, object], AfterValidator(_wire_json)]
 
 
 class StrictModel(BaseModel):
@@ -20,26 +36,26 @@ class StreamOptions(StrictModel):
 class SamplingFields(StrictModel):
     """Fields shared by /v1/chat/completions and /v1/completions (OpenAI names plus the vLLM/SGLang extensions)."""
 
-    model: str
+    model: ShortStr
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: Int = 1
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    max_tokens: int | None = None
+    stop_token_ids: list[Int] | None = None
+    max_tokens: Int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: Int | None = None
     min_p: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    seed: int | None = None
+    seed: Int | None = None
     ignore_eos: bool = False
-    user: str | None = None
+    user: ShortStr | None = None
     # Known OpenAI fields we do not implement: accepted only at their neutral value, otherwise a 400 naming them.
     logit_bias: dict[str, float] | None = None
-    best_of: int | None = None
+    best_of: Int | None = None
 
 
 class TextPart(StrictModel):
@@ -53,27 +69,27 @@ class ChatMessage(StrictModel):
 
 
 class ResponseFormat(StrictModel):
-    type: str
+    type: ShortStr
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int | None = None
     add_generation_prompt: bool = True
-    chat_template_kwargs: dict[str, object] | None = None
+    chat_template_kwargs: JsonObject | None = None
     response_format: ResponseFormat | None = None
-    tools: list[dict[str, object]] | None = None
-    tool_choice: str | dict[str, object] | None = None
+    tools: list[JsonObject] | None = None
+    tool_choice: ShortStr | JsonObject | None = None
     parallel_tool_calls: bool | None = None
-    functions: list[dict[str, object]] | None = None
-    function_call: str | dict[str, object] | None = None
+    functions: list[JsonObject] | None = None
+    function_call: ShortStr | JsonObject | None = None
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = None
+    prompt: str | list[str] | list[Int] | list[list[Int]]
+    logprobs: Int | None = None
     echo: bool = False
     suffix: str | None = None
 
@@ -81,27 +97,27 @@ class CompletionRequest(SamplingFields):
 class NativeSamplingParams(StrictModel):
     """SGLang's native `sampling_params` names."""
 
-    max_new_tokens: int = 128
+    max_new_tokens: Int = 128
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = -1
+    top_k: Int = -1
     min_p: float = 0.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    seed: int | None = None
+    seed: Int | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int] | None = None
     ignore_eos: bool = False
 
 
 class NativeGenerateRequest(StrictModel):
     """POST /generate, SGLang's native shape: exactly one of `text` / `input_ids`."""
 
-    model: str | None = None
+    model: ShortStr | None = None
     text: str | None = None
-    input_ids: list[int] | None = None
+    input_ids: list[Int] | None = None
     sampling_params: NativeSamplingParams = Field(default_factory=NativeSamplingParams)
     stream: bool = False
     return_logprob: bool = False
-    top_logprobs_num: int = 0
+    top_logprobs_num: Int = 0
