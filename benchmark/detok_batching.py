@@ -27,14 +27,14 @@ from typing import Any
 
 import nats
 from kubesgl import protocol as p
-from kubesgl.engine.sampling import SamplingParams
-from kubesgl.engine.types import EngineStats, ModelInfo, RequestOutput
 from kubesgl.launcher import Stack, StackConfig, resolve_model
+from kubesgl.service.telemetry.metrics import SchedulerMetrics, new_registry
+from kubesgl.service.telemetry.scheduler import SchedulerTelemetry
+from kubesgl.service.telemetry.tracing import Tracing
 from kubesgl.services.scheduler.engine_loop import AddRequest, Command, QueryStats
 from kubesgl.services.scheduler.service import SchedulerService
-from kubesgl.telemetry.metrics import SchedulerMetrics, new_registry
-from kubesgl.telemetry.scheduler import SchedulerTelemetry
-from kubesgl.telemetry.tracing import Tracing
+from kubesgl.values.outputs import EngineStats, ModelInfo, RequestOutput
+from kubesgl.values.sampling import SamplingParams
 from prometheus_client.parser import text_string_to_metric_families
 
 GATEWAY = "benchgw"

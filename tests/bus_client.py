@@ -13,7 +13,7 @@ from typing import Any
 import nats
 import nats.errors
 from kubesgl import protocol as p
-from kubesgl.engine.sampling import SamplingParams
+from kubesgl.values.sampling import SamplingParams
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 

@@ -16,9 +16,9 @@ from bus_client import BusClient, Stream
 from conftest import StackFactory
 from kubesgl import protocol as p
 from kubesgl.engine.llm import LLM
-from kubesgl.engine.sampling import SamplingParams
 from kubesgl.launcher import Stack
 from kubesgl.text.tokenizer import ModelTokenizer
+from kubesgl.values.sampling import SamplingParams
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from kubesgl.engine.types import RequestOutput, TokenLogprob
 from kubesgl.errors import ServiceUnavailableError
-from kubesgl.protocol import DETOK_CONTEXT_TOKENS
 from kubesgl.services.scheduler.streams import RequestStream
+from kubesgl.text.incremental import DETOK_CONTEXT_TOKENS
+from kubesgl.values.outputs import RequestOutput, TokenLogprob
 
 
 def _out(new: list[int], total: int, finished: bool = False, lps: bool = False) -> RequestOutput:

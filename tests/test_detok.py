@@ -12,15 +12,15 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import nats
 import pytest
 from kubesgl import protocol as p
-from kubesgl.engine.types import RequestOutput
-from kubesgl.nats_server import NatsServer
+from kubesgl.service.nats_server import NatsServer
+from kubesgl.service.telemetry.metrics import DetokenizerMetrics, new_registry
+from kubesgl.service.telemetry.tracing import Tracing
 from kubesgl.services.detokenizer.service import DetokenizerService
 from kubesgl.services.gateway.request_stream import RequestStream as GatewayStream
 from kubesgl.services.scheduler.streams import RequestStream
-from kubesgl.telemetry.metrics import DetokenizerMetrics, new_registry
-from kubesgl.telemetry.tracing import Tracing
 from kubesgl.text.incremental import delta_text, delta_window
 from kubesgl.text.tokenizer import ModelTokenizer
+from kubesgl.values.outputs import RequestOutput
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 

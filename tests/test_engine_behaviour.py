@@ -147,15 +147,13 @@ def test_sampler_penalty_directions() -> None:
     s = Sampler(4, torch.device("cpu"))
     s.init_slots(
         [
-            SlotInit(0, 2, 0.0, -1, 1.0, 0.0, 0.0, 0.0, 2.0, 0),
-            SlotInit(1, 2, 0.0, -1, 1.0, 0.0, 1.0, 0.0, 1.0, 0),
+            SlotInit(0, 2, SamplingParams(temperature=0.0, repetition_penalty=2.0), 0),
+            SlotInit(1, 2, SamplingParams(temperature=0.0, presence_penalty=1.0), 0),
         ]
     )
     pool = torch.tensor([[3, 1, 3, 0], [1, 2, 3, 0], [0] * 4, [0] * 4])
     logits = torch.tensor([[1.0, 2.0, 0.5, 3.0], [1.0, 2.0, 0.5, 2.9]])
-    penalized = s._apply_penalties(
-        logits.clone(), [s._host[0], s._host[1]], torch.tensor([0, 1]), [3, 3], pool
-    )
+    penalized = s._apply_penalties(logits.clone(), torch.tensor([0, 1]), [3, 3], pool)
     assert penalized[0, 3] == pytest.approx(1.5)  # repetition: positive logit of a seen token divided
     assert penalized[0, 2] == pytest.approx(0.5)  # unseen token unchanged
     assert penalized[1, 3] == pytest.approx(

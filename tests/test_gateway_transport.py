@@ -14,7 +14,6 @@ import httpx
 import nats
 import pytest
 from gateway_helpers import GatewayProcess, free_port, wait_http
-from kubesgl.nats_server import NatsServer
 from kubesgl.protocol import (
     ABORT,
     HEARTBEAT,
@@ -30,6 +29,7 @@ from kubesgl.protocol import (
     gateway_subject,
     stats_subject,
 )
+from kubesgl.service.nats_server import NatsServer
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 

@@ -130,7 +130,7 @@ def test_prompt_shapes() -> None:
     assert [p.text for p in completion_prompts(["a", "b"])] == ["a", "b"]
     assert completion_prompts([1, 2])[0].input_ids == (1, 2)
     assert [p.input_ids for p in completion_prompts([[1], [2, 3]])] == [(1,), (2, 3)]
-    assert completion_prompts("x")[0].kind == "completion" and completion_prompts([1])[0].kind == "tokens"
+    assert completion_prompts("x")[0].text == "x" and completion_prompts([1])[0].input_ids == (1,)
 
 
 def test_chat_content_parts_are_joined_and_developer_is_system() -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import msgpack
 import pytest
 from kubesgl import protocol as p
-from kubesgl.engine.sampling import SamplingParams
 from kubesgl.errors import ContextLengthError, KubesglError, ServiceUnavailableError
+from kubesgl.values.sampling import SamplingParams
 
 
 def _delta(rid: str, seq: int = 0, gateway_id: str = "gw-a", tokens: int = 3) -> p.TokenDelta:

@@ -26,19 +26,8 @@ CPU = torch.device("cpu")
 KDEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def slot_init(slot: int, **params: float | int | bool) -> SlotInit:
-    base = dict(
-        prompt_len=3,
-        temperature=1.0,
-        top_k=-1,
-        top_p=1.0,
-        min_p=0.0,
-        presence_penalty=0.0,
-        frequency_penalty=0.0,
-        repetition_penalty=1.0,
-        seed=0,
-    )
-    return SlotInit(slot, **{**base, **params})
+def slot_init(slot: int, seed: int = 0, seed_given: bool = False, **params: float | int) -> SlotInit:
+    return SlotInit(slot, 3, SamplingParams(**params, seed=seed if seed_given else None), seed)
 
 
 # --- CPU: the captured functions equal the eager code -------------------------------------------------
@@ -79,7 +68,7 @@ def test_temperature_tokens_draw_what_the_eager_sampler_draws() -> None:
     )
     torch.manual_seed(7)
     slot_t = torch.tensor(slots)
-    fast = temperature_tokens(logits, sampler.temperature[slot_t], sampler.greedy_rows(slot_t))
+    fast = temperature_tokens(logits, sampler.temperature[slot_t], sampler.greedy[slot_t])
     assert fast.tolist() == eager.tolist()
     argmax = logits.argmax(dim=-1)
     assert fast[1] == argmax[1] and fast[4] == argmax[4]

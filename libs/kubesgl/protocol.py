@@ -14,8 +14,6 @@ from typing import Any, ClassVar, Self, TypeVar
 
 import msgpack
 
-from kubesgl.engine.sampling import SamplingParams
-from kubesgl.engine.types import TokenLogprob
 from kubesgl.errors import (
     ContextLengthError,
     DeadlineExceededError,
@@ -25,6 +23,8 @@ from kubesgl.errors import (
     ServiceUnavailableError,
     UnsupportedModelError,
 )
+from kubesgl.values.outputs import TokenLogprob
+from kubesgl.values.sampling import SamplingParams
 
 VERSION = "v1"
 _ROOT = f"kubesgl.{VERSION}"
@@ -47,8 +47,6 @@ HEADER_TRACEPARENT = "traceparent"
 HEARTBEAT_INTERVAL_S = 1.0
 # A scheduler missing this many heartbeats in a row is considered gone.
 HEARTBEAT_MISSES_TO_EXPIRE = 3
-# Tokens of already-sent context each TokenDelta carries, enough to re-cover a held-back UTF-8 character.
-DETOK_CONTEXT_TOKENS = 8
 
 _TYPE_KEY = "msg"
 
@@ -331,7 +329,7 @@ class KvSnapshot(Message):
 
 @dataclass
 class TokenDelta(Message):
-    """One request's new tokens, after up to DETOK_CONTEXT_TOKENS of context: an entry of a TokenDeltaBatch.
+    """One request's new tokens, after up to text.incremental.DETOK_CONTEXT_TOKENS of context: an entry of a TokenDeltaBatch.
 
     `tokens[new_from:]` are new; the context lets any replica decode without per-request state.
     `logprobs` has one wire_logprob entry per new token when requested. `traceparent` names the request's

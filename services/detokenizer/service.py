@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from kubesgl.nats_conn import close
 from kubesgl.protocol import (
     DETOK,
     DETOKENIZER_QUEUE,
@@ -25,8 +24,9 @@ from kubesgl.protocol import (
     gateway_subject,
     headers,
 )
-from kubesgl.telemetry.metrics import DetokenizerMetrics
-from kubesgl.telemetry.tracing import ATTR_RID, ATTR_SEQ, SPAN_DETOKENIZE, Tracing, traceparent
+from kubesgl.service.nats_conn import close
+from kubesgl.service.telemetry.metrics import DetokenizerMetrics
+from kubesgl.service.telemetry.tracing import ATTR_RID, ATTR_SEQ, SPAN_DETOKENIZE, Tracing, traceparent
 from kubesgl.text.incremental import delta_text
 from kubesgl.text.tokenizer import ModelTokenizer
 from nats.aio.client import Client

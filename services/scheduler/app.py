@@ -8,15 +8,15 @@ import asyncio
 import os
 import socket
 
-from kubesgl.bus_service import add_service_arguments, run_bus_service
 from kubesgl.engine.config import EngineConfig
 from kubesgl.engine.engine import Engine
-from kubesgl.engine.types import ModelInfo
+from kubesgl.service.bus_service import add_service_arguments, run_bus_service
+from kubesgl.service.telemetry.metrics import SchedulerMetrics, new_registry
+from kubesgl.service.telemetry.scheduler import SchedulerTelemetry
+from kubesgl.service.telemetry.tracing import Tracing
 from kubesgl.services.scheduler.engine_loop import EngineLoop
 from kubesgl.services.scheduler.service import SchedulerService
-from kubesgl.telemetry.metrics import SchedulerMetrics, new_registry
-from kubesgl.telemetry.scheduler import SchedulerTelemetry
-from kubesgl.telemetry.tracing import Tracing
+from kubesgl.values.outputs import ModelInfo
 from nats.aio.client import Client
 
 _DEFAULTS = EngineConfig(model_path="")

@@ -20,10 +20,7 @@ from collections.abc import Callable, Iterable
 from itertools import pairwise
 
 import nats.errors
-from kubesgl.engine.types import EngineStats, ModelInfo, RequestOutput
 from kubesgl.errors import DeadlineExceededError, InvalidRequestError, KubesglError, ServiceUnavailableError
-from kubesgl.lifecycle import TaskGroup
-from kubesgl.nats_conn import close
 from kubesgl.protocol import (
     ABORT,
     HEADER_RID,
@@ -46,11 +43,14 @@ from kubesgl.protocol import (
     sampling_from_dict,
     stats_subject,
 )
+from kubesgl.service.lifecycle import TaskGroup
+from kubesgl.service.nats_conn import close
+from kubesgl.service.telemetry.scheduler import SchedulerTelemetry
 from kubesgl.services.scheduler.delivery import deliver
 from kubesgl.services.scheduler.engine_loop import AbortRequest, AddRequest, EngineLoop, QueryStats
 from kubesgl.services.scheduler.kv_publisher import KvPublisher
 from kubesgl.services.scheduler.streams import RequestStream
-from kubesgl.telemetry.scheduler import SchedulerTelemetry
+from kubesgl.values.outputs import EngineStats, ModelInfo, RequestOutput
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription

@@ -10,10 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kubesgl.engine.types import RequestOutput
 from kubesgl.errors import KubesglError
 from kubesgl.protocol import TextDelta, TokenDelta, error_dict, wire_logprob
 from kubesgl.text.incremental import delta_window
+from kubesgl.values.outputs import RequestOutput
 
 
 @dataclass
@@ -47,14 +47,6 @@ class RequestStream:
         self.traceparent = traceparent or self.traceparent
         if out.finished:
             self.finished, self.finish_reason = True, out.finish_reason
-            if out.error:
-                self.error = {
-                    "status": 500,
-                    "type": "internal_error",
-                    "code": None,
-                    "param": None,
-                    "message": out.error,
-                }
 
     def next_delta(self, instance_id: str) -> TokenDelta | None:
         """The next delta to send, or None when everything produced so far went out."""

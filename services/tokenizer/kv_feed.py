@@ -14,7 +14,6 @@ from collections.abc import Callable, Iterable
 
 import nats.errors
 from kubesgl.cache_routing.kv_tracker import KvTracker
-from kubesgl.lifecycle import TaskGroup
 from kubesgl.protocol import (
     KV_EVENTS_ALL,
     ErrorReply,
@@ -25,7 +24,8 @@ from kubesgl.protocol import (
     decode,
     kv_snapshot_subject,
 )
-from kubesgl.telemetry.metrics import RouterMetrics
+from kubesgl.service.lifecycle import TaskGroup
+from kubesgl.service.telemetry.metrics import RouterMetrics
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription

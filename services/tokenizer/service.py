@@ -20,8 +20,6 @@ from kubesgl.errors import (
     ModelNotFoundError,
     ServiceUnavailableError,
 )
-from kubesgl.lifecycle import TaskGroup
-from kubesgl.nats_conn import close
 from kubesgl.protocol import (
     HEADER_RID,
     HEARTBEAT,
@@ -40,17 +38,19 @@ from kubesgl.protocol import (
     sampling_from_dict,
 )
 from kubesgl.routing import SchedulerRegistry
-from kubesgl.services.tokenizer.kv_feed import KvFeed
-from kubesgl.services.tokenizer.prompt import check_context, prompt_ids
-from kubesgl.services.tokenizer.request_router import RequestRouter
-from kubesgl.telemetry.metrics import TokenizerMetrics
-from kubesgl.telemetry.tracing import (
+from kubesgl.service.lifecycle import TaskGroup
+from kubesgl.service.nats_conn import close
+from kubesgl.service.telemetry.metrics import TokenizerMetrics
+from kubesgl.service.telemetry.tracing import (
     ATTR_MODEL,
     ATTR_RID,
     SPAN_TOKENIZE,
     Tracing,
     traceparent,
 )
+from kubesgl.services.tokenizer.kv_feed import KvFeed
+from kubesgl.services.tokenizer.prompt import check_context, prompt_ids
+from kubesgl.services.tokenizer.request_router import RequestRouter
 from kubesgl.text.tokenizer import ModelTokenizer
 from nats.aio.client import Client
 from nats.aio.msg import Msg

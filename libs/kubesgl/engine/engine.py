@@ -21,15 +21,15 @@ from kubesgl.engine.config import EngineConfig
 from kubesgl.engine.plan import BatchPlan
 from kubesgl.engine.request import Req
 from kubesgl.engine.runner import ModelRunner, StepResult
-from kubesgl.engine.sampling import SamplingParams
 from kubesgl.engine.scheduler import Scheduler, SchedulerLimits
-from kubesgl.engine.step_profile import StepProfile
-from kubesgl.engine.types import EngineStats, ModelInfo, RequestOutput
+from kubesgl.engine.step_profile import StepHook, StepProfile
 from kubesgl.errors import InvalidRequestError
 from kubesgl.kv.kv_events import KVEvents
 from kubesgl.kv.page_pool import PagePool
 from kubesgl.kv.prefix_cache import NaiveCache, PrefixCache
 from kubesgl.kv.radix import RadixCache
+from kubesgl.values.outputs import EngineStats, ModelInfo, RequestOutput
+from kubesgl.values.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
@@ -102,7 +102,7 @@ def overlap_enabled(config: EngineConfig) -> bool:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, step_hook: StepHook | None = None) -> None:
         _validate(config)
         self.config = config
         self._workers: list[BaseProcess] = []
@@ -142,9 +142,9 @@ class Engine:
         self.cache = cache
         self.overlap = overlap_enabled(config)
         self._inflight: tuple[BatchPlan, list[Req], StepResult] | None = None
-        on = os.environ.get("KUBESGL_STEP_PROFILE", "") not in ("", "0")
-        self.profile: StepProfile | None = StepProfile() if on else None
-        self._timing: dict[int, tuple] = {}
+        if step_hook is None and os.environ.get("KUBESGL_STEP_PROFILE", "") not in ("", "0"):
+            step_hook = StepProfile(on_cuda=self.runner.device.type == "cuda")
+        self.step_hook = step_hook  # called at each phase of step() (profiling); None costs nothing
         hf = r.model.hf_config
         self.info = ModelInfo(
             name=os.path.basename(os.path.normpath(config.model_path)),
@@ -167,23 +167,20 @@ class Engine:
         return self.scheduler.has_work() or self._inflight is not None
 
     def step(self) -> list[RequestOutput]:
-        prof = self.profile
-        if prof is not None:
-            prof.tick()
+        hook = self.step_hook
+        if hook is not None:
+            hook.step_started()
         outputs: list[RequestOutput] = []
         scheduled = self.scheduler.schedule()
         launched = None
         if scheduled is not None:
             plan, reqs = scheduled
-            if prof is not None:
-                t_sched = prof.tick()
-                ev = prof.events(self.runner.device.type == "cuda")
+            if hook is not None:
+                hook.scheduled(plan)
             self.tp.broadcast_object(plan)
             launched = (plan, reqs, self.runner.execute(plan))
-            if prof is not None:
-                if ev is not None:
-                    ev[1].record()
-                self._timing[id(plan)] = (t_sched, prof.tick(), ev)
+            if hook is not None:
+                hook.launched(plan)
         if self.overlap:
             done, self._inflight = self._inflight, launched
         else:
@@ -191,18 +188,11 @@ class Engine:
         if done is not None:
             plan, reqs, result = done
             host = result.to_host()
-            if prof is not None:
-                t_wait = prof.tick()
+            if hook is not None:
+                hook.read_back(plan)
             outputs += self.scheduler.process(plan, reqs, host)
-            if prof is not None:
-                t_sched, t_launch, ev = self._timing.pop(id(plan))
-                b = prof.buckets[prof.key(plan.mode, plan.batch_size)]
-                b.steps += 1
-                b.schedule += t_sched
-                b.launch += t_launch
-                b.wait += t_wait
-                b.process += prof.tick()
-                b.device += ev[0].elapsed_time(ev[1]) / 1e3 if ev is not None else 0.0
+            if hook is not None:
+                hook.processed(plan)
         outputs += self.scheduler.drain_finished()
         return outputs
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from kubesgl.engine.sampling import SamplingParams
-from kubesgl.engine.types import TokenLogprob
+from kubesgl.values.outputs import TokenLogprob
+from kubesgl.values.sampling import SamplingParams
 
 
 class ReqState(enum.Enum):

@@ -10,11 +10,11 @@ from dataclasses import dataclass
 
 from kubesgl.engine.plan import BatchPlan, SlotInit
 from kubesgl.engine.request import Req, ReqState
-from kubesgl.engine.sampling import SamplingParams
-from kubesgl.engine.types import RequestOutput, TokenLogprob
 from kubesgl.errors import ContextLengthError, InvalidRequestError
 from kubesgl.kv.page_pool import PagePool
 from kubesgl.kv.prefix_cache import PrefixCache
+from kubesgl.values.outputs import RequestOutput, TokenLogprob
+from kubesgl.values.sampling import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -194,22 +194,7 @@ class Scheduler:
             self.cached_tokens_total += req.kv_len
         if pages:
             plan.page_writes.append((req.slot, 0, list(pages)))
-        p = req.params
-        plan.slot_inits.append(
-            SlotInit(
-                req.slot,
-                len(req.input_ids),
-                p.temperature,
-                p.top_k,
-                p.top_p,
-                p.min_p,
-                p.presence_penalty,
-                p.frequency_penalty,
-                p.repetition_penalty,
-                req.seed,
-                p.seed is not None,
-            )
-        )
+        plan.slot_inits.append(SlotInit(req.slot, len(req.input_ids), req.params, req.seed))
         self.running.append(req)
 
     def _unadmit(self, req: Req, plan: BatchPlan) -> None:

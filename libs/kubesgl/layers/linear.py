@@ -46,24 +46,6 @@ def _narrow_rank(full: torch.Tensor, dim: int, tp: TPGroup) -> torch.Tensor:
     return full.narrow(dim, start, end - start)
 
 
-class ColumnParallelLinear(nn.Module):
-    """y = x W^T + b with W's output rows split over ranks; the output stays sharded."""
-
-    def __init__(self, in_features: int, out_features: int, *, bias: bool, tp: TPGroup) -> None:
-        super().__init__()
-        self.tp = tp
-        start, end = shard_range(out_features, tp)
-        self.out_per_rank = end - start
-        self.weight = make_param((self.out_per_rank, in_features), self._load)
-        self.bias = make_param((self.out_per_rank,), self._load) if bias else None
-
-    def _load(self, param: nn.Parameter, full: torch.Tensor, shard_id: Any = None) -> None:
-        copy_checked(param.data, _narrow_rank(full, 0, self.tp), "column-parallel weight")
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
-
-
 class MergedColumnParallelLinear(nn.Module):
     """Several column-parallel projections of the same input in one matmul (gate_proj + up_proj).
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from kubesgl.engine.sampling import SamplingParams
 from kubesgl.errors import InvalidRequestError
 from kubesgl.openai_api.request_models import (
     ChatCompletionRequest,
@@ -15,6 +14,7 @@ from kubesgl.openai_api.request_models import (
     SamplingFields,
 )
 from kubesgl.protocol import sampling_to_dict
+from kubesgl.values.sampling import SamplingParams
 
 MAX_N = 128  # also the cap on choices x prompts of one request
 MAX_STOP_STRINGS = 16

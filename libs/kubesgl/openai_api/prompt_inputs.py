@@ -18,10 +18,6 @@ class PromptInput:
     text: str | None = None
     input_ids: tuple[int, ...] | None = None
 
-    @property
-    def kind(self) -> str:
-        return "completion" if self.text is not None else "tokens"
-
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
     """Text parts are joined with newlines (vLLM's rule); "developer" is OpenAI's newer name for "system"."""

@@ -24,7 +24,6 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     logprobs: list[TokenLogprob] | None = None
-    error: str | None = None  # set with finish_reason "abort" when the engine rejected or failed it
 
 
 @dataclass(frozen=True)
