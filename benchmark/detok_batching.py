@@ -180,7 +180,7 @@ async def run_once(stack: Stack, args: argparse.Namespace, batch_size: int, run:
     while not service.ready():
         await asyncio.sleep(0.01)
     client = await nats.connect(stack.nats_url)
-    sampling = p.sampling_to_dict(SamplingParams(max_tokens=args.tokens))
+    sampling = SamplingParams(max_tokens=args.tokens)
     answered_before = batches_answered(stack)
     cpu0, t0 = time.thread_time(), time.monotonic()  # this thread runs the scheduler's event loop
     admissions = [

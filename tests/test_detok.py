@@ -267,4 +267,4 @@ async def test_bad_entries_are_refused_alone_and_a_bad_batch_gets_an_error(bus: 
     # A lone TokenDelta (the old body) or garbage: a clear 400, not silence.
     for body, why in [(good.to_bytes(), "expected a TokenDeltaBatch"), (b"\xc1", "not msgpack")]:
         reply = await bus.send(body)
-        assert isinstance(reply, p.ErrorReply) and reply.status == 400 and why in reply.message
+        assert isinstance(reply, p.ErrorReply) and reply.error.status == 400 and why in reply.error.message

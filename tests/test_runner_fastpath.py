@@ -20,6 +20,7 @@ from kubesgl.engine.runner import _page_cells
 from kubesgl.engine.sampler import Sampler, greedy_tokens, temperature_tokens
 from kubesgl.engine.transfer import PinnedStaging
 from kubesgl.models.random_init import build_random_model
+from kubesgl.values.sampling import LogprobOptions
 
 CPU = torch.device("cpu")
 # The Gumbel kernel runs compiled on a CUDA machine and in Triton's interpreter on CPU tensors elsewhere.
@@ -218,7 +219,10 @@ def test_graph_greedy_equals_eager_sampler_bit_for_bit(gpu_model: str) -> None:
 def test_graphs_with_overlap_match_an_eager_engine(gpu_model: str) -> None:
     """float32 Triton: graphs + overlap against graphs off + overlap off, up to a near-tie in the logits."""
     ref_params = SamplingParams(
-        max_tokens=N_NEW, temperature=0, ignore_eos=True, logprobs=True, top_logprobs=2
+        max_tokens=N_NEW,
+        temperature=0,
+        ignore_eos=True,
+        logprobs=LogprobOptions(top=2),
     )
     ref = _generate(
         gpu_model, ref_params, dtype="float32", attn="triton", cuda_graph_max_bs=0, disable_overlap=True

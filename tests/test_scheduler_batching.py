@@ -139,7 +139,7 @@ class Bus:
         self.text_deltas.append(p.TextDelta.from_bytes(msg.data))
 
     async def admit(self, n: int, max_tokens: int) -> list[str]:
-        sampling = p.sampling_to_dict(SamplingParams(max_tokens=max_tokens))
+        sampling = SamplingParams(max_tokens=max_tokens)
         rids = [f"r{i}" for i in range(n)]
         for i, rid in enumerate(rids):
             req = p.GenerateRequest(rid, f"gw-{'ab'[i % 2]}", [1, 2, 3], sampling, time.time() + 60)

@@ -50,6 +50,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--disable-overlap", action="store_true", help="no overlap scheduling")
     parser.add_argument("--seed", type=int, default=d.seed, help="sampling seed for unseeded requests")
     parser.add_argument(
+        "--default-max-tokens",
+        type=_positive_int,
+        default=d.default_max_tokens,
+        help="most tokens a request without max_tokens generates (default: until the context ends, as OpenAI)",
+    )
+    parser.add_argument(
         "--detok-timeout",
         type=float,
         default=1.0,
@@ -108,6 +114,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         cuda_graph_max_bs=args.cuda_graph_max_bs,
         disable_overlap=args.disable_overlap,
         seed=args.seed,
+        default_max_tokens=args.default_max_tokens,
         kv_event_block_size=args.kv_event_block_size if args.cache == "radix" else 0,
     )
 

@@ -123,7 +123,7 @@ class KvFeed:
             self._in_flight.discard(instance_id)
         if isinstance(reply, ErrorReply):
             self.metrics.on_snapshot("refused")
-            log.info("KV snapshot of %s refused: %s", instance_id, reply.message)
+            log.info("KV snapshot of %s refused: %s", instance_id, reply.error.message)
             return
         if not self._wanted(instance_id):
             return  # gone or draining while the snapshot was on its way

@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import nats.errors
 from kubesgl.errors import (
     DeadlineExceededError,
+    InvalidRequestError,
     KubesglError,
     ModelNotFoundError,
     ServiceUnavailableError,
@@ -35,7 +36,6 @@ from kubesgl.protocol import (
     decode,
     generate_subject,
     headers,
-    sampling_from_dict,
 )
 from kubesgl.routing import SchedulerRegistry
 from kubesgl.service.lifecycle import TaskGroup
@@ -145,10 +145,10 @@ class TokenizerService:
                 span.set_attributes({ATTR_RID: rid, ATTR_MODEL: req.model})
                 reply = await self._admit(req, traceparent(span))
             except ProtocolError as e:
-                reply = ErrorReply(rid=rid, status=400, type="invalid_request_error", message=str(e))
+                reply = ErrorReply.from_error(rid, InvalidRequestError(str(e)))
             except KubesglError as e:
                 reply = ErrorReply.from_error(rid, e)
-            status.status = 200 if isinstance(reply, Admitted) else reply.status
+            status.status = 200 if isinstance(reply, Admitted) else reply.error.status
             span.set_attribute("kubesgl.status", status.status)
             if msg.reply:
                 await msg.respond(reply.to_bytes())
@@ -159,10 +159,6 @@ class TokenizerService:
             raise DeadlineExceededError("the request's deadline passed before it was tokenized")
         if req.model != self.model:
             raise ModelNotFoundError(f"The model `{req.model}` does not exist.", param="model")
-        sampling = dict(req.sampling)
-        # max_tokens None is OpenAI's default, the rest of the context: only the prompt's length decides it.
-        open_ended = sampling.get("max_tokens") is None
-        sampling_from_dict({**sampling, "max_tokens": 1} if open_ended else sampling)  # validates
         start = time.perf_counter()
         loop = asyncio.get_running_loop()
         ids = await loop.run_in_executor(self._tokenize_thread, prompt_ids, req, self.tokenizer)
@@ -170,15 +166,13 @@ class TokenizerService:
         candidates = self.registry.candidates(self.model)
         if not candidates:
             raise ServiceUnavailableError(f"no scheduler is available for model `{self.model}`; retry later")
-        context_len = min(c.heartbeat.context_len for c in candidates)
-        if open_ended:
-            sampling["max_tokens"] = max(context_len - len(ids), 1)
-        check_context(req, len(ids), sampling["max_tokens"], context_len)
+        check_context(req, len(ids), min(c.heartbeat.context_len for c in candidates))
+        # Sampling goes on as it came: the gateway checked it and the engine checks it again when it admits it.
         gen = GenerateRequest(
             rid=req.rid,
             gateway_id=req.gateway_id,
             input_ids=ids,
-            sampling=sampling,
+            sampling=req.sampling,
             deadline=req.deadline,
         )
         return await self._forward(gen, req.session_id, trace)
@@ -215,7 +209,7 @@ class TokenizerService:
             except nats.errors.TimeoutError:
                 log.warning("scheduler %s did not answer admission of %s in time", instance, gen.rid)
                 continue
-            if isinstance(reply, ErrorReply) and reply.status == 503:
+            if isinstance(reply, ErrorReply) and reply.error.status == 503:
                 refusal = reply  # full or draining: another instance may have room
                 continue
             return reply

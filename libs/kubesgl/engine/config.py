@@ -26,3 +26,6 @@ class EngineConfig:
     seed: int = 0  # engine RNG for requests without a seed
     dist_port: int = 0  # torch.distributed rendezvous port for tp_size > 1 (0 = pick a free one)
     kv_event_block_size: int = 0  # > 0: record prefix-cache KV events in blocks of this many tokens (routing)
+    default_max_tokens: int | None = (
+        None  # most tokens of a request without max_tokens (None: to the context end)
+    )

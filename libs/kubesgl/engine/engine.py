@@ -48,6 +48,10 @@ def _validate(config: EngineConfig) -> None:
         (config.max_prefill_tokens >= 1, "max_prefill_tokens must be >= 1"),
         (config.device in ("cpu", "cuda"), f"device must be 'cpu' or 'cuda', got {config.device!r}"),
         (config.num_pages is None or config.num_pages >= 1, "num_pages must be >= 1"),
+        (
+            config.default_max_tokens is None or config.default_max_tokens >= 1,
+            "default_max_tokens must be >= 1",
+        ),
     ]
     for ok, why in checks:
         if not ok:
@@ -134,6 +138,7 @@ class Engine:
                 context_len=r.context_len,
                 vocab_size=r.model.vocab_size,
                 eos_token_ids=tuple(r.model.eos_token_ids),
+                default_max_tokens=config.default_max_tokens,
             ),
             self.pool,
             cache,
@@ -158,6 +163,7 @@ class Engine:
 
     # -- the driver's interface ---------------------------------------------------------------------
     def add_request(self, rid: str, input_ids: list[int], params: SamplingParams) -> None:
+        """The engine's gate: raises InvalidRequestError (or ContextLengthError) for a request it cannot run."""
         self.scheduler.add_request(rid, input_ids, params)
 
     def abort(self, rid: str) -> None:

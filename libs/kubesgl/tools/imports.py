@@ -9,7 +9,8 @@ functions and `if TYPE_CHECKING:` blocks count too) and reports:
 - an arrow against the floor order;
 - a module that no entry of `LAYERS` covers (a new package must be given its floor);
 - a `LIBRARY` module (the engine and what it stands on) importing the wire or the service side:
-  NATS, HTTP, Prometheus, OpenTelemetry, msgpack, pydantic, `kubesgl.protocol` or `kubesgl.service`.
+  NATS, HTTP, Prometheus, OpenTelemetry, msgpack, pydantic, `kubesgl.codec`, `kubesgl.protocol` or
+  `kubesgl.service`.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pathlib import Path
 # alone ("kubesgl") covers only its __init__, so a new module or package must be placed explicitly.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("kubesgl.errors", "kubesgl.values"),  # the engine's public values: SamplingParams, RequestOutput, ...
-    ("kubesgl.protocol",),  # the wire: every subject and message, carrying those values and nothing else
+    ("kubesgl.codec", "kubesgl.protocol"),  # the wire: every subject and message, carrying those values
     ("kubesgl.distributed", "kubesgl.kv", "kubesgl.text"),
     ("kubesgl.attention", "kubesgl.kernels"),
     ("kubesgl.layers",),
@@ -68,6 +69,7 @@ LIBRARY_FORBIDDEN = (
     "opentelemetry",
     "msgpack",
     "pydantic",
+    "kubesgl.codec",
     "kubesgl.protocol",
     "kubesgl.service",
 )

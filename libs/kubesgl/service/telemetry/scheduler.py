@@ -142,7 +142,7 @@ class SchedulerTelemetry:
         self.metrics.on_finished(now_s - t.arrival_s, finish_reason)
         span = t.current
         if finish_reason:
-            span.set_attribute(ATTR_FINISH_REASON, [finish_reason])
+            span.set_attribute(ATTR_FINISH_REASON, [str(finish_reason)])  # the enum's value
         if completion_tokens is not None:
             span.set_attribute(ATTR_OUTPUT_TOKENS, completion_tokens)
         if finish_reason == "abort":
