@@ -43,9 +43,8 @@ def auto_max_bs(device: torch.device, max_running: int) -> int:
 
 
 class GraphInputs(NamedTuple):
-    """A decode batch staged in the graphs' inputs: its replayed size and device views of its rows."""
+    """A decode batch staged in the graphs' inputs: device views of its rows."""
 
-    bs: int  # the captured size replayed (>= the batch's rows)
     slots: torch.Tensor  # [n] the batch's slots
     positions: torch.Tensor  # [n] the position each row's token is fed at
     extra: torch.Tensor  # the values staged after the graph's inputs (the step's page-table writes)
@@ -167,12 +166,10 @@ class DecodeGraphs:
     def padded_size(self, n: int) -> int | None:
         return next((s for s in self.sizes if s >= n), None)
 
-    def stage(self, slots: list[int], positions: list[int], extra: list[int]) -> GraphInputs:
-        """Copies a decode batch of len(slots) rows into the inputs of its padded size (padded rows name the
-        scratch slot at position 0), followed by `extra`, in one host-to-device copy."""
+    def stage(self, bs: int, slots: list[int], positions: list[int], extra: list[int]) -> GraphInputs:
+        """Copies a decode batch of len(slots) rows into the inputs of size `bs` (its `padded_size`; padded rows
+        name the scratch slot at position 0), followed by `extra`, in one host-to-device copy."""
         n = len(slots)
-        bs = self.padded_size(n)
-        assert bs is not None, f"no graph holds {n} rows"
         pad = bs - n
         packed = slots + [self.pad_slot] * pad + positions + [0] * pad + extra
         if len(packed) <= self.io.numel():
@@ -180,7 +177,7 @@ class DecodeGraphs:
         else:  # an unusually large `extra`: stage it all in a new tensor, then fill the graph's inputs
             io = self.staging.upload(packed)
             self.io[: 2 * bs].copy_(io[: 2 * bs])
-        return GraphInputs(bs, io[:n], io[bs : bs + n], io[2 * bs :])
+        return GraphInputs(io[:n], io[bs : bs + n], io[2 * bs :])
 
     def replay(self, meta: AttentionMetadata, bs: int, sample_mode: str | None) -> torch.Tensor:
         """Runs the batch `stage` put in the inputs of size `bs`: [bs] sampled tokens with a `sample_mode`

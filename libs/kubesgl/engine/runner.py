@@ -160,16 +160,17 @@ class ModelRunner:
     # -- one step ---------------------------------------------------------------------------------------
     def execute(self, plan: BatchPlan) -> StepResult:
         self.sampler.init_slots(plan.slot_inits)
-        if self.graphs is not None and plan.mode == "decode" and self.graphs.padded_size(len(plan.slots)):
-            return self._execute_graph(plan)
+        bs = self.graphs.padded_size(len(plan.slots)) if self.graphs and plan.mode == "decode" else None
+        if bs is not None:
+            return self._execute_graph(plan, bs)
         return self._execute_eager(plan)
 
-    def _execute_graph(self, plan: BatchPlan) -> StepResult:
+    def _execute_graph(self, plan: BatchPlan, bs: int) -> StepResult:
         """A decode step through the captured graphs: one host-to-device copy, then two graph replays."""
         graphs = self.graphs
         assert graphs is not None
         n = len(plan.slots)
-        staged = graphs.stage(plan.slots, plan.prefix_lens, _page_cells(plan.page_writes))
+        staged = graphs.stage(bs, plan.slots, plan.prefix_lens, _page_cells(plan.page_writes))
         self._write_page_table(staged.extra)
         meta = AttentionMetadata(
             mode="decode",
@@ -181,7 +182,7 @@ class ModelRunner:
             seq_lens_dev=(staged.positions + 1).to(torch.int32),
         )
         mode = self.sampler.graph_mode(plan.slots, plan.top_logprobs)
-        out = graphs.replay(meta, staged.bs, mode)
+        out = graphs.replay(meta, bs, mode)
         if mode is not None:
             return self._result(plan, out[:n], None, None, None)
         return self._sample(plan, out[:n].float(), staged.slots, staged.positions + 1)
