@@ -360,10 +360,11 @@ def test_external_nats_runs_no_server_and_uses_secret_credentials() -> None:
 
 def test_bundled_nats_enforces_the_token_the_services_send() -> None:
     objects = render({})
-    secret = one(objects, "Secret", "nats")
-    assert set(secret["data"]) >= {"token"}
+    # The hook Job makes the Secret in the cluster (test_chart_upgrades.py runs it).
+    job = one(objects, "Job", "nats-credentials")["spec"]["template"]["spec"]["containers"][0]
+    secret_name, token_key = env(job)["SECRET_NAME"], env(job)["TOKEN_KEY"]
     server = container(objects, "StatefulSet", "nats")
-    assert env(server)["NATS_TOKEN"] == {"secretKeyRef": {"name": secret["metadata"]["name"], "key": "token"}}
+    assert env(server)["NATS_TOKEN"] == {"secretKeyRef": {"name": secret_name, "key": token_key}}
     conf = one(objects, "ConfigMap", "nats")["data"]["nats.conf"]
     assert "token: $NATS_TOKEN" in conf and "max_payload: 8388608" in conf
     gateway = container(objects, "Deployment", "gateway")
