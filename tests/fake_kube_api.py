@@ -143,7 +143,12 @@ class FakeKubeAPI:
         ]
         if not resources:
             return None
-        return {"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": api_version, "resources": resources}
+        return {
+            "kind": "APIResourceList",
+            "apiVersion": "v1",
+            "groupVersion": api_version,
+            "resources": resources,
+        }
 
     def _handler(self) -> type[BaseHTTPRequestHandler]:
         api = self
@@ -179,7 +184,9 @@ class FakeKubeAPI:
                             self._send(200, obj)
                         return
                     items = [
-                        o for (v, k, ns, _), o in api.objects.items() if (v, k) == kind and ns == (namespace or "")
+                        o
+                        for (v, k, ns, _), o in api.objects.items()
+                        if (v, k) == kind and ns == (namespace or "")
                     ]
                 self._send(200, {"kind": f"{kind[1]}List", "apiVersion": api_version, "items": items})
 

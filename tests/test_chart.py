@@ -16,6 +16,7 @@ from typing import Any
 
 import helm_python
 import jsonschema
+from crd_schemas import crd_kinds, validate_custom_resource
 import kubernetes_validate
 import pytest
 import yaml
@@ -29,98 +30,6 @@ RELEASE, NAMESPACE = "kubesgl", "llm"
 VALUE_SETS: dict[str, dict[str, Any]] = {"defaults": {}} | {
     path.name.removesuffix("-values.yaml"): yaml.safe_load(path.read_text())
     for path in sorted((CHART / "ci").glob("*-values.yaml"))
-}
-
-# Minimal schemas for the CRD kinds, from the fields their documentation defines (prometheus-operator
-# monitoring.coreos.com/v1, KEDA keda.sh/v1alpha1). Unknown fields are rejected where we set them.
-_ENDPOINT = {
-    "type": "object",
-    "additionalProperties": False,
-    "required": ["port"],
-    "properties": {"port": {"type": "string"}, "path": {"type": "string"}, "interval": {"type": "string"}},
-}
-_SELECTOR = {
-    "type": "object",
-    "additionalProperties": False,
-    "properties": {"matchLabels": {"type": "object", "additionalProperties": {"type": "string"}}},
-}
-_NAMESPACES = {
-    "type": "object",
-    "additionalProperties": False,
-    "properties": {"matchNames": {"type": "array", "items": {"type": "string"}}, "any": {"type": "boolean"}},
-}
-
-
-def _crd(spec: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "type": "object",
-        "required": ["apiVersion", "kind", "metadata", "spec"],
-        "properties": {
-            "metadata": {"type": "object", "required": ["name"]},
-            "spec": {"type": "object", "additionalProperties": False, **spec},
-        },
-    }
-
-
-CRD_SCHEMAS: dict[tuple[str, str], dict[str, Any]] = {
-    ("monitoring.coreos.com/v1", "ServiceMonitor"): _crd(
-        {
-            "required": ["selector", "endpoints"],
-            "properties": {
-                "selector": _SELECTOR,
-                "namespaceSelector": _NAMESPACES,
-                "endpoints": {"type": "array", "minItems": 1, "items": _ENDPOINT},
-            },
-        }
-    ),
-    ("monitoring.coreos.com/v1", "PodMonitor"): _crd(
-        {
-            "required": ["selector", "podMetricsEndpoints"],
-            "properties": {
-                "selector": _SELECTOR,
-                "namespaceSelector": _NAMESPACES,
-                "podMetricsEndpoints": {"type": "array", "minItems": 1, "items": _ENDPOINT},
-            },
-        }
-    ),
-    ("keda.sh/v1alpha1", "ScaledObject"): _crd(
-        {
-            "required": ["scaleTargetRef", "triggers"],
-            "properties": {
-                "scaleTargetRef": {
-                    "type": "object",
-                    "additionalProperties": False,
-                    "required": ["name"],
-                    "properties": {
-                        "apiVersion": {"type": "string"},
-                        "kind": {"type": "string"},
-                        "name": {"type": "string"},
-                    },
-                },
-                "minReplicaCount": {"type": "integer", "minimum": 0},
-                "maxReplicaCount": {"type": "integer", "minimum": 1},
-                "pollingInterval": {"type": "integer", "minimum": 1},
-                "cooldownPeriod": {"type": "integer", "minimum": 0},
-                "triggers": {
-                    "type": "array",
-                    "minItems": 1,
-                    "items": {
-                        "type": "object",
-                        "required": ["type", "metadata"],
-                        "properties": {
-                            "type": {"const": "prometheus"},
-                            # KEDA reads trigger metadata as strings.
-                            "metadata": {
-                                "type": "object",
-                                "required": ["serverAddress", "query", "threshold"],
-                                "additionalProperties": {"type": "string"},
-                            },
-                        },
-                    },
-                },
-            },
-        }
-    ),
 }
 
 
@@ -147,8 +56,14 @@ def one(objects: list[dict[str, Any]], kind: str, component: str) -> dict[str, A
 
 def pod_specs(objects: list[dict[str, Any]]) -> Iterator[tuple[str, dict[str, Any]]]:
     for o in objects:
-        if o["kind"] in ("Deployment", "StatefulSet"):
+        if o["kind"] in ("Deployment", "StatefulSet", "Job"):
             yield o["metadata"]["name"], o["spec"]["template"]["spec"]
+        elif o["kind"] == "LeaderWorkerSet":
+            for role in ("leader", "worker"):
+                yield (
+                    f"{o['metadata']['name']}/{role}",
+                    o["spec"]["leaderWorkerTemplate"][f"{role}Template"]["spec"],
+                )
         elif o["kind"] == "Pod":
             yield o["metadata"]["name"], o["spec"]
 
@@ -175,35 +90,64 @@ def test_chart_lints_clean(value_set: str) -> None:
 
 @pytest.mark.parametrize("value_set", sorted(VALUE_SETS))
 def test_every_rendered_object_is_valid(value_set: str) -> None:
+    """Kubernetes kinds against Kubernetes 1.32's schemas, custom resources against their projects' CRDs
+    (tests/data/crds); both strict: an unknown field fails."""
     for obj in render(VALUE_SETS[value_set]):
-        crd_schema = CRD_SCHEMAS.get((obj["apiVersion"], obj["kind"]))
-        if crd_schema is not None:
-            jsonschema.validate(obj, crd_schema)
+        if (obj["apiVersion"], obj["kind"]) in crd_kinds():
+            validate_custom_resource(obj)
         else:
             kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
 
 
+def test_every_custom_resource_kind_has_its_crd() -> None:
+    rendered = {(o["apiVersion"], o["kind"]) for v in VALUE_SETS.values() for o in render(v)}
+    custom = {k for k in rendered if "." in k[0].split("/")[0]} - {
+        ("networking.k8s.io/v1", "Ingress"),
+        ("networking.k8s.io/v1", "NetworkPolicy"),
+        ("rbac.authorization.k8s.io/v1", "Role"),
+        ("rbac.authorization.k8s.io/v1", "RoleBinding"),
+    }
+    assert custom == {
+        ("keda.sh/v1alpha1", "ScaledObject"),
+        ("monitoring.coreos.com/v1", "ServiceMonitor"),
+        ("monitoring.coreos.com/v1", "PodMonitor"),
+        ("monitoring.coreos.com/v1", "PrometheusRule"),
+        ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"),
+    }
+    assert custom <= crd_kinds()
+
+
 def test_crd_schemas_reject_malformed_objects() -> None:
-    scaled = next(o for o in render(VALUE_SETS["full-features"]) if o["kind"] == "ScaledObject")
-    jsonschema.validate(scaled, CRD_SCHEMAS[("keda.sh/v1alpha1", "ScaledObject")])
-    del scaled["spec"]["scaleTargetRef"]
-    with pytest.raises(jsonschema.ValidationError):
-        jsonschema.validate(scaled, CRD_SCHEMAS[("keda.sh/v1alpha1", "ScaledObject")])
+    objects = render(VALUE_SETS["full-features"])
+    scaled = next(o for o in objects if o["kind"] == "ScaledObject")
+    validate_custom_resource(scaled)
+    missing = json.loads(json.dumps(scaled))
+    del missing["spec"]["scaleTargetRef"]
+    with pytest.raises(jsonschema.ValidationError, match="scaleTargetRef"):
+        validate_custom_resource(missing)
+    # Strict like the API server's field validation: a misspelt field is an error, not ignored.
+    lws = next(o for o in render(VALUE_SETS["multinode-gpu"]) if o["kind"] == "LeaderWorkerSet")
+    validate_custom_resource(lws)
+    lws["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]["containers"][0]["resourcez"] = {}
+    with pytest.raises(jsonschema.ValidationError, match="resourcez"):
+        validate_custom_resource(lws)
 
 
 def test_optional_objects_appear_only_when_enabled() -> None:
     defaults = {o["kind"] for o in render({})}
-    full = {o["kind"] for o in render(VALUE_SETS["full-features"])}
+    shipped = {o["kind"] for name, v in VALUE_SETS.items() if name != "defaults" for o in render(v)}
     optional = {
         "Ingress",
         "HorizontalPodAutoscaler",
         "ScaledObject",
         "ServiceMonitor",
         "PodMonitor",
+        "PrometheusRule",
         "NetworkPolicy",
+        "LeaderWorkerSet",
     }
     assert defaults.isdisjoint(optional)
-    assert optional <= full
+    assert optional <= shipped
 
 
 def test_scheduler_gets_tp_gpus() -> None:
@@ -394,14 +338,38 @@ def test_keda_scales_schedulers_on_queue_depth() -> None:
         "name": statefulset["metadata"]["name"],
     }
     trigger = scaled["triggers"][0]["metadata"]
+    # Per pod first (max), so a pod two scrape jobs see still counts once.
     assert (
         trigger["query"]
-        == f'sum(sglang:num_queue_reqs{{namespace="{NAMESPACE}",pod=~"{RELEASE}-scheduler-[0-9]+"}})'
+        == f'sum(max by (pod) (sglang:num_queue_reqs{{namespace="{NAMESPACE}",pod=~"{RELEASE}-scheduler-[0-9]+"}}))'
     )
     assert trigger["serverAddress"] == "http://prometheus-operated.monitoring:9090"
     assert trigger["threshold"] == "8"
     # KEDA owns the replica count; the StatefulSet must not fight it.
     assert "replicas" not in statefulset["spec"]
+    # Never to zero, never scaled down blind, and one new instance per model load.
+    assert scaled["minReplicaCount"] >= 1
+    assert scaled["fallback"] == {"failureThreshold": 3, "replicas": 1, "behavior": "currentReplicasIfHigher"}
+    behavior = scaled["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
+    assert behavior["scaleUp"]["policies"] == [{"type": "Pods", "value": 1, "periodSeconds": 300}]
+    assert behavior["scaleDown"]["stabilizationWindowSeconds"] == 900
+    # A multi-node instance scales as LWS groups (its leaders' queues).
+    lws = next(o for o in render(VALUE_SETS["multinode-gpu"]) if o["kind"] == "ScaledObject")["spec"]
+    assert lws["scaleTargetRef"] == {
+        "apiVersion": "leaderworkerset.x-k8s.io/v1",
+        "kind": "LeaderWorkerSet",
+        "name": f"{RELEASE}-scheduler",
+    }
+
+
+def test_scale_to_zero_is_refused() -> None:
+    values = {
+        "scheduler": {
+            "autoscaling": {"enabled": True, "prometheusAddress": "http://p:9090", "minReplicas": 0}
+        }
+    }
+    with pytest.raises(helm_python.HelmError, match="minReplicas"):
+        render(values)
 
 
 def test_hpa_owns_replicas_when_enabled() -> None:
@@ -410,28 +378,106 @@ def test_hpa_owns_replicas_when_enabled() -> None:
         assert "replicas" not in one(objects, "Deployment", component)["spec"]
         hpa = one(objects, "HorizontalPodAutoscaler", component)["spec"]
         assert hpa["scaleTargetRef"]["name"] == f"{RELEASE}-{component}"
-
-
-def test_monitors_scrape_every_component() -> None:
-    objects = render(VALUE_SETS["full-features"])
-    service_monitor = next(o for o in objects if o["kind"] == "ServiceMonitor")["spec"]
-    scraped = [
-        o
-        for o in objects
-        if o["kind"] == "Service"
-        and all(
-            o["metadata"]["labels"].get(k) == v for k, v in service_monitor["selector"]["matchLabels"].items()
-        )
-    ]
-    ports = {e["port"] for e in service_monitor["endpoints"]}
-    covered = {
-        s["metadata"]["labels"]["app.kubernetes.io/component"]
-        for s in scraped
-        if ports & {p["name"] for p in s["spec"]["ports"]}
+    gateway = one(objects, "HorizontalPodAutoscaler", "gateway")["spec"]
+    # In flight per pod, next to CPU: the HPA follows whichever asks for more pods.
+    assert gateway["metrics"][1] == {
+        "type": "Pods",
+        "pods": {
+            "metric": {"name": "kubesgl_gateway_requests_in_flight"},
+            "target": {"type": "AverageValue", "averageValue": "64"},
+        },
     }
-    assert covered >= {"gateway", "tokenizer", "detokenizer", "scheduler", "nats"}
-    pod_monitor = next(o for o in objects if o["kind"] == "PodMonitor")["spec"]
-    assert {e["port"] for e in pod_monitor["podMetricsEndpoints"]} >= {"http", "admin"}
+    assert gateway["behavior"] == {"scaleDown": {"stabilizationWindowSeconds": 300}}
+    tokenizer = one(objects, "HorizontalPodAutoscaler", "tokenizer")["spec"]
+    assert [m["type"] for m in tokenizer["metrics"]] == ["Resource"] and "behavior" not in tokenizer
+
+
+def _matches(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def scrape_targets(objects: list[dict[str, Any]]) -> dict[tuple[str, int], list[str]]:
+    """(pod template, container port) -> every scrape that reaches it: pod annotations, ServiceMonitor
+    endpoints (through the Services it selects) and PodMonitor endpoints."""
+    pods = []  # (template name, labels, annotations, {port name: number})
+    for o in objects:
+        templates = []
+        if o["kind"] in ("Deployment", "StatefulSet"):
+            templates = [(o["metadata"]["name"], o["spec"]["template"])]
+        elif o["kind"] == "LeaderWorkerSet":
+            lwt = o["spec"]["leaderWorkerTemplate"]
+            templates = [(f"{o['metadata']['name']}/{r}", lwt[f"{r}Template"]) for r in ("leader", "worker")]
+        for name, template in templates:
+            ports = {
+                p["name"]: p["containerPort"]
+                for c in template["spec"]["containers"]
+                for p in c.get("ports", [])
+            }
+            meta = template["metadata"]
+            pods.append((name, meta["labels"], meta.get("annotations", {}), ports))
+    seen: dict[tuple[str, int], list[str]] = {}
+    for name, labels, annotations, ports in pods:
+        if annotations.get("prometheus.io/scrape") == "true":
+            seen.setdefault((name, int(annotations["prometheus.io/port"])), []).append("annotations")
+    for monitor in (o for o in objects if o["kind"] == "ServiceMonitor"):
+        wanted = {e["port"] for e in monitor["spec"]["endpoints"]}
+        for svc in (o for o in objects if o["kind"] == "Service"):
+            if not _matches(monitor["spec"]["selector"]["matchLabels"], svc["metadata"]["labels"]):
+                continue
+            for port in (p for p in svc["spec"]["ports"] if p["name"] in wanted):
+                for name, labels, _, ports in pods:
+                    if _matches(svc["spec"]["selector"], labels) and port["targetPort"] in ports:
+                        seen.setdefault((name, ports[port["targetPort"]]), []).append(
+                            f"ServiceMonitor/{svc['metadata']['name']}"
+                        )
+    for monitor in (o for o in objects if o["kind"] == "PodMonitor"):
+        for endpoint in monitor["spec"]["podMetricsEndpoints"]:
+            for name, labels, _, ports in pods:
+                if _matches(monitor["spec"]["selector"]["matchLabels"], labels) and endpoint["port"] in ports:
+                    seen.setdefault((name, ports[endpoint["port"]]), []).append("PodMonitor")
+    return seen
+
+
+@pytest.mark.parametrize("value_set", sorted(VALUE_SETS))
+def test_each_target_is_scraped_once(value_set: str) -> None:
+    """Whatever the values, no pod port is scraped twice (a double scrape doubles every sum: KEDA would add
+    instances for requests nobody queued), and when scraping is on every metrics port is scraped."""
+    objects = render(VALUE_SETS[value_set])
+    seen = scrape_targets(objects)
+    assert {t: s for t, s in seen.items() if len(s) > 1} == {}
+    metrics_ports = {
+        (name, port)
+        for o in objects
+        if o["kind"] in ("Deployment", "StatefulSet")
+        for name, port in [
+            (o["metadata"]["name"], p["containerPort"])
+            for c in o["spec"]["template"]["spec"]["containers"]
+            for p in c.get("ports", [])
+            if p["name"] in ("http", "admin", "metrics")
+        ]
+    } | {
+        (f"{o['metadata']['name']}/leader", p["containerPort"])
+        for o in objects
+        if o["kind"] == "LeaderWorkerSet"
+        for c in o["spec"]["leaderWorkerTemplate"]["leaderTemplate"]["spec"]["containers"]
+        for p in c.get("ports", [])
+        if p["name"] == "admin"
+    }
+    assert set(seen) == metrics_ports
+    # Worker pods of a multi-node instance serve no metrics (rank 0 counts for the whole instance).
+    assert not [t for t in seen if t[0].endswith("/worker")]
+
+
+def test_both_monitors_are_refused() -> None:
+    both = {"metrics": {"serviceMonitor": {"enabled": True}, "podMonitor": {"enabled": True}}}
+    with pytest.raises(helm_python.HelmError, match="would scrape every pod twice"):
+        render(both)
+    # With a monitor on, the pods carry no scrape annotations a second (annotation-based) job would follow.
+    for monitor in ("serviceMonitor", "podMonitor"):
+        objects = render({"metrics": {monitor: {"enabled": True}}})
+        for o in objects:
+            if o["kind"] in ("Deployment", "StatefulSet"):
+                assert "prometheus.io/scrape" not in o["spec"]["template"]["metadata"].get("annotations", {})
 
 
 def test_model_sources() -> None:

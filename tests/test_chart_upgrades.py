@@ -125,7 +125,7 @@ def test_upgrade_refuses_an_immutable_change(case: str, cluster: FakeKubeAPI) ->
     if target.startswith("statefulset "):
         assert ORPHAN.format(name=target.removeprefix("statefulset ")) in message
     else:
-        assert f"--cascade=orphan" in message and target in message
+        assert "--cascade=orphan" in message and target in message
     assert "then run the same helm upgrade again" in message
     # The values it names are the user's, and the recovery is documented.
     assert "docs/operations.md#changes-kubernetes-refuses" in message
@@ -212,7 +212,10 @@ def test_credentials_job_creates_the_secret_once_and_keeps_it(cluster: FakeKubeA
     assert len(data["token"]) == 48 and data["token"].isalnum() and data["user"] == "kubesgl"
     # The servers and every client read that Secret's keys.
     server = one(objects, "StatefulSet", "nats")["spec"]["template"]["spec"]["containers"][0]
-    assert {"name": "NATS_TOKEN", "valueFrom": {"secretKeyRef": {"name": secret["metadata"]["name"], "key": "token"}}} in server["env"]
+    assert {
+        "name": "NATS_TOKEN",
+        "valueFrom": {"secretKeyRef": {"name": secret["metadata"]["name"], "key": "token"}},
+    } in server["env"]
     # Every later upgrade (or GitOps sync) runs it again: the Secret is kept, byte for byte.
     kept = run_job(job, cluster)
     assert kept.returncode == 0, kept.stderr
@@ -258,7 +261,10 @@ def test_credentials_job_asks_only_what_its_role_grants(cluster: FakeKubeAPI) ->
             for rule in role["rules"]
         ), (method, path)
     # The hook objects run before the servers start and go away once it succeeded.
-    weights = {o["kind"]: int(o["metadata"]["annotations"]["helm.sh/hook-weight"]) for o in (role, binding, account, job)}
+    weights = {
+        o["kind"]: int(o["metadata"]["annotations"]["helm.sh/hook-weight"])
+        for o in (role, binding, account, job)
+    }
     assert weights["Job"] > max(weights["Role"], weights["RoleBinding"], weights["ServiceAccount"])
 
 
