@@ -16,11 +16,12 @@ from typing import Any
 
 import helm_python
 import jsonschema
-from crd_schemas import crd_kinds, validate_custom_resource
 import kubernetes_validate
 import pytest
 import yaml
+from crd_schemas import crd_kinds, validate_custom_resource
 from kubesgl.cli import build_parser
+from test_kustomize import merged
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "charts" / "kubesgl"
@@ -267,7 +268,8 @@ def test_networkpolicy_isolates_nats() -> None:
     assert gateway["ingress"] == [
         {
             "ports": [{"port": "http", "protocol": "TCP"}],
-            "from": VALUE_SETS["full-features"]["networkPolicy"]["gatewayFrom"],
+            "from": VALUE_SETS["full-features"]["networkPolicy"]["gatewayFrom"]
+            + [{"podSelector": {"matchLabels": _selector(test_pod)}}],
         }
     ]
     for component in ("tokenizer", "detokenizer", "scheduler"):
@@ -277,6 +279,118 @@ def test_networkpolicy_isolates_nats() -> None:
         ]
     for spec in policies.values():
         assert spec["policyTypes"] == ["Ingress"]
+
+
+def _selector(pod: dict[str, Any]) -> dict[str, str]:
+    labels = pod["metadata"]["labels"]
+    return {
+        k: labels[k]
+        for k in ("app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kubernetes.io/component")
+    }
+
+
+def _admits(rule: dict[str, Any], pod: dict[str, Any]) -> bool:
+    """Whether a NetworkPolicy ingress rule lets a pod of this release's namespace in (podSelector peers)."""
+    if "from" not in rule:
+        return True
+    labels = pod["metadata"]["labels"]
+    return any(
+        set(peer) == {"podSelector"} and _matches(peer["podSelector"].get("matchLabels", {}), labels)
+        for peer in rule["from"]
+    )
+
+
+def test_helm_test_pod_gets_through_the_gateway_policy() -> None:
+    """With gatewayFrom set the gateway admits only those peers: the `helm test` pod is admitted explicitly,
+    and nothing else of the release is."""
+    objects = render(VALUE_SETS["full-features"])
+    test_pod = next(o for o in objects if o["kind"] == "Pod")
+    gateway = next(
+        o for o in objects if o["kind"] == "NetworkPolicy" and o["metadata"]["name"] == f"{RELEASE}-gateway"
+    )
+    [rule] = gateway["spec"]["ingress"]
+    assert _admits(rule, test_pod)
+    tokenizer_pod = one(objects, "Deployment", "tokenizer")["spec"]["template"]
+    assert not _admits(rule, tokenizer_pod)
+    # Without the test pod, no rule for it; without gatewayFrom, every source is admitted anyway.
+    quiet = merged(VALUE_SETS["full-features"], {"tests": {"enabled": False}})
+    gateway = next(
+        o
+        for o in render(quiet)
+        if o["kind"] == "NetworkPolicy" and o["metadata"]["name"] == f"{RELEASE}-gateway"
+    )
+    assert (
+        gateway["spec"]["ingress"][0]["from"] == VALUE_SETS["full-features"]["networkPolicy"]["gatewayFrom"]
+    )
+    open_policy = next(
+        o
+        for o in render({"networkPolicy": {"enabled": True}})
+        if o["kind"] == "NetworkPolicy" and o["metadata"]["name"] == f"{RELEASE}-gateway"
+    )
+    assert _admits(open_policy["spec"]["ingress"][0], test_pod)
+
+
+def test_multinode_ranks_reach_each_other() -> None:
+    objects = render(VALUE_SETS["multinode-gpu"])
+    policy = next(
+        o for o in objects if o["kind"] == "NetworkPolicy" and o["metadata"]["name"] == f"{RELEASE}-scheduler"
+    )
+    lws = next(o for o in objects if o["kind"] == "LeaderWorkerSet")["spec"]["leaderWorkerTemplate"]
+    leader, worker = lws["leaderTemplate"], lws["workerTemplate"]
+    # Workers reach the leader's rendezvous and each other on any port; NATS only from the leader.
+    rank_rule = next(r for r in policy["spec"]["ingress"] if "ports" not in r)
+    assert _admits(rank_rule, worker) and _admits(rank_rule, leader)
+    assert leader["metadata"]["labels"].get("kubesgl.io/nats-client") == "true"
+    assert "kubesgl.io/nats-client" not in worker["metadata"]["labels"]
+    single = next(
+        o
+        for o in render(VALUE_SETS["full-features"])
+        if o["kind"] == "NetworkPolicy" and o["metadata"]["name"] == f"{RELEASE}-scheduler"
+    )
+    assert all("ports" in r for r in single["spec"]["ingress"])
+
+
+def test_bundled_nats_pdb_spread_and_exporter_probes() -> None:
+    objects = render(VALUE_SETS["full-features"])
+    nats = one(objects, "StatefulSet", "nats")
+    pdb = one(objects, "PodDisruptionBudget", "nats")["spec"]
+    assert pdb["maxUnavailable"] == 1
+    assert _matches(pdb["selector"]["matchLabels"], nats["spec"]["template"]["metadata"]["labels"])
+    pod = nats["spec"]["template"]["spec"]
+    [term] = pod["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert term["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+    assert _matches(
+        term["podAffinityTerm"]["labelSelector"]["matchLabels"],
+        nats["spec"]["template"]["metadata"]["labels"],
+    )
+    exporter = next(c for c in pod["containers"] if c["name"] == "exporter")
+    assert (
+        exporter["readinessProbe"]["httpGet"]
+        == exporter["livenessProbe"]["httpGet"]
+        == {"path": "/metrics", "port": "metrics"}
+    )
+    hard = one(render({"nats": {"bundled": {"podAntiAffinity": "hard"}}}), "StatefulSet", "nats")
+    assert (
+        "requiredDuringSchedulingIgnoredDuringExecution"
+        in hard["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]
+    )
+    mine = {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [
+                    {"matchExpressions": [{"key": "pool", "operator": "In", "values": ["infra"]}]}
+                ]
+            }
+        }
+    }
+    own = one(render({"nats": {"bundled": {"affinity": mine}}}), "StatefulSet", "nats")
+    assert own["spec"]["template"]["spec"]["affinity"] == mine
+    assert (
+        "affinity"
+        not in one(render({"nats": {"bundled": {"podAntiAffinity": "none"}}}), "StatefulSet", "nats")["spec"][
+            "template"
+        ]["spec"]
+    )
 
 
 def test_external_nats_runs_no_server_and_uses_secret_credentials() -> None:
@@ -416,9 +530,9 @@ def scrape_targets(objects: list[dict[str, Any]]) -> dict[tuple[str, int], list[
             meta = template["metadata"]
             pods.append((name, meta["labels"], meta.get("annotations", {}), ports))
     seen: dict[tuple[str, int], list[str]] = {}
-    for name, labels, annotations, ports in pods:
-        if annotations.get("prometheus.io/scrape") == "true":
-            seen.setdefault((name, int(annotations["prometheus.io/port"])), []).append("annotations")
+    for name, _, pod_annotations, _ in pods:
+        if pod_annotations.get("prometheus.io/scrape") == "true":
+            seen.setdefault((name, int(pod_annotations["prometheus.io/port"])), []).append("annotations")
     for monitor in (o for o in objects if o["kind"] == "ServiceMonitor"):
         wanted = {e["port"] for e in monitor["spec"]["endpoints"]}
         for svc in (o for o in objects if o["kind"] == "Service"):
