@@ -30,22 +30,18 @@ def tight(stack_factory: StackFactory, tmp_path_factory: pytest.TempPathFactory)
 
 
 def scrape(stack: Stack) -> dict[str, float]:
+    """The scheduler's sglang:* samples by name, and "pages": the KV pool in tokens per cache_config_info."""
     [svc] = [s for s in stack.services.values() if s.kind == "scheduler"]
     with urllib.request.urlopen(svc.ready_url.removesuffix("/ready") + "/metrics", timeout=5) as r:
         text = r.read().decode()
-    return {
-        s.name: s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-        if s.name.startswith("sglang:")
-        and s.name != "sglang:cache_config_info"
-        and not s.name.endswith(("_bucket", "_created"))
-    } | {
-        "pages": float(s.labels["num_pages"]) * float(s.labels["page_size"])
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-        if s.name == "sglang:cache_config_info"
-    }
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "sglang:cache_config_info":
+                values["pages"] = float(s.labels["num_pages"]) * float(s.labels["page_size"])
+            elif s.name.startswith("sglang:") and not s.name.endswith(("_bucket", "_created")):
+                values[s.name] = s.value
+    return values
 
 
 async def load(stack: Stack) -> None:

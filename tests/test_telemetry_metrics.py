@@ -269,7 +269,9 @@ def test_render_serves_prometheus_text_with_process_metrics() -> None:
 
 def test_capacity_and_startup_gauges_under_sglang_names() -> None:
     registry = CollectorRegistry()
-    m = SchedulerMetrics(registry, "qwen3-tiny", 16, 100, clock=FakeClock(), startup_s=42.5, load_weights_s=30.25)
+    m = SchedulerMetrics(
+        registry, "qwen3-tiny", 16, 100, clock=FakeClock(), startup_s=42.5, load_weights_s=30.25
+    )
     assert registry.get_sample_value("sglang:max_total_num_tokens", MODEL) == 1600
     assert registry.get_sample_value("sglang:engine_startup_time", MODEL) == 42.5
     assert registry.get_sample_value("sglang:engine_load_weights_time", MODEL) == 30.25
@@ -293,7 +295,8 @@ def test_retractions_count_once_and_the_gauge_covers_the_last_window() -> None:
     clock.now += 1.5
     step(5)
     assert registry.get_sample_value("sglang:num_retracted_requests_total", MODEL) == 5
-    assert registry.get_sample_value("sglang:num_retracted_reqs", MODEL) == 5  # SGLang's: since the last window
+    # SGLang's gauge: retracted since the last window.
+    assert registry.get_sample_value("sglang:num_retracted_reqs", MODEL) == 5
     clock.now += 1.5
     step(5)
     assert registry.get_sample_value("sglang:num_retracted_reqs", MODEL) == 0
