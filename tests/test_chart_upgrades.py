@@ -15,7 +15,7 @@ from typing import Any
 import helm_python
 import pytest
 from fake_kube_api import FakeKubeAPI
-from test_chart import CHART, NAMESPACE, RELEASE, VALUE_SETS, one, render
+from test_chart import CHART, NAMESPACE, RELEASE, ROOT, VALUE_SETS, one, render
 from test_kustomize import merged
 
 ORPHAN = f"kubectl -n {NAMESPACE} delete statefulset {{name}} --cascade=orphan"
@@ -291,3 +291,9 @@ def test_existing_secret_renders_no_job() -> None:
     gateway = one(render({"nats": {"auth": {"existingSecret": "mine"}}}), "Deployment", "gateway")
     env = {e["name"]: e.get("valueFrom") for e in gateway["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert env["KUBESGL_NATS_TOKEN"] == {"secretKeyRef": {"name": "mine", "key": "token"}}
+
+
+def test_the_refusal_points_at_a_documented_section() -> None:
+    from test_alerts import _anchors
+
+    assert "changes-kubernetes-refuses" in _anchors((ROOT / "docs" / "operations.md").read_text())
