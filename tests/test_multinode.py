@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from bus_client import BusClient
 from conftest import StackFactory
 from kubesgl.engine.sampling import SamplingParams
@@ -129,15 +130,44 @@ def stop(procs: list[subprocess.Popen[bytes]]) -> None:
             proc.wait(10)
 
 
+def on_device(command: list[str], env: dict[str, str], device: str, gpus: str) -> tuple[list[str], dict]:
+    """The command on `device`; on CUDA the process sees only `gpus`, as a pod sees only its node's GPUs."""
+    if device == "cpu":
+        return command, env
+    command = list(command)
+    command[command.index("--device") + 1] = "cuda"
+    return command, {**env, "CUDA_VISIBLE_DEVICES": gpus}
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        # NCCL between two processes that each see one GPU: the GPU path of two nodes, on one host.
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(
+                    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs"
+                ),
+            ],
+        ),
+    ],
+)
 def test_leader_and_worker_pods_match_single_process_tp(
-    mesh: Stack, demo_model_dir: str, tmp_path: Path
+    mesh: Stack, demo_model_dir: str, tmp_path: Path, device: str
 ) -> None:
     leader, worker = lws_containers(demo_model_dir)
     admin_port = int(leader["args"][leader["args"].index("--admin-port") + 1])
     # What the LWS controller gives every container of group 0 (the leader's DNS name resolves here).
     group = {"LWS_LEADER_ADDRESS": "127.0.0.1", "LWS_GROUP_SIZE": "2"}
-    leader_cmd, leader_env = pod_process(leader, group | {"LWS_WORKER_INDEX": "0"}, mesh.nats_url)
-    worker_cmd, worker_env = pod_process(worker, group | {"LWS_WORKER_INDEX": "1"}, mesh.nats_url)
+    leader_cmd, leader_env = on_device(
+        *pod_process(leader, group | {"LWS_WORKER_INDEX": "0"}, mesh.nats_url), device, "0"
+    )
+    worker_cmd, worker_env = on_device(
+        *pod_process(worker, group | {"LWS_WORKER_INDEX": "1"}, mesh.nats_url), device, "1"
+    )
     assert worker_cmd[worker_cmd.index("--node-rank") + 1] == "1"
     # Only the leader talks to NATS.
     assert not [e for e in worker.get("env", []) if e["name"].startswith("KUBESGL_NATS")]
@@ -166,7 +196,9 @@ def test_leader_and_worker_pods_match_single_process_tp(
         del single[i : i + 2]
     single[single.index("--instance-id") + 1] = "tp2-one-process"
     log = tmp_path / "single.log"
-    proc = start(single, leader_env, log)
+    proc = start(
+        single, {**leader_env, "CUDA_VISIBLE_DEVICES": "0,1"} if device == "cuda" else leader_env, log
+    )
     try:
         wait_ready(admin_port, [proc], [log])
         one_process = asyncio.run(generate(mesh.nats_url))
