@@ -38,8 +38,6 @@ from kubesgl.errors import (
 from kubesgl.values.outputs import FinishReason, TokenLogprob
 from kubesgl.values.sampling import LogprobOptions, SamplingParams
 
-__all__ = ["FinishReason", "JsonValue", "LogprobOptions", "ProtocolError", "SamplingParams", "TokenLogprob"]
-
 VERSION = "v2"
 _ROOT = f"kubesgl.{VERSION}"
 
@@ -378,9 +376,10 @@ class KvSnapshot(Message):
 
 @dataclass
 class TokenDelta(Message):
-    """One request's new tokens, after up to text.incremental.DETOK_CONTEXT_TOKENS of context: an entry of a TokenDeltaBatch.
+    """One request's new tokens, an entry of a TokenDeltaBatch.
 
-    `tokens[new_from:]` are new; the context lets any replica decode without per-request state.
+    `tokens[new_from:]` are new; the ones before, up to text.incremental.DETOK_CONTEXT_TOKENS already sent, are
+    context that lets any replica decode without per-request state.
     `logprobs` has one TokenLogprob (ids only) per new token when requested. `traceparent` names the request's
     decode span (a batch's headers cannot carry one per request).
     """
