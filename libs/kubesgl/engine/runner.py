@@ -93,6 +93,7 @@ class ModelRunner:
             dtype=resolve_dtype(config.dtype, self.device.type),
             dummy=config.dummy_weight,
         )
+        self.model.set_linear_backend(config.linear_backend)
         m = self.model
         self.context_len = config.max_seq_len_override or m.context_len
         self.page_size = config.page_size
