@@ -311,46 +311,97 @@ def gemv(
     norm_weight [K] and eps; the new residual is x + residual (x itself without one). PROLOGUE_SILU_MUL:
     x [M, 2K] = [gate | up]. `config` pins a tiling (else autotuned on CUDA, the first candidate otherwise).
     """
-    m = x.shape[0]
-    n, k = weight.shape
-    if weight.stride(1) != 1 or x.stride(-1) != 1:
-        raise ValueError("the GEMV needs dense weight and activation rows")
-    width = 2 * k if prologue == PROLOGUE_SILU_MUL else k
-    if x.dim() != 2 or x.shape[1] != width:
-        raise ValueError(
-            f"activation {tuple(x.shape)} does not fit weight {tuple(weight.shape)} (rows of {width})"
-        )
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    res_out = None
-    if prologue == PROLOGUE_RMSNORM:
-        if norm_weight is None:
-            raise ValueError("the RMSNorm prologue needs its weight")
-        res_out = torch.empty_like(x) if residual is not None else x
-    if m == 0:
-        return y, res_out
-    bucket = m_bucket(m)
-    device = x.device
-    cfgs = [config] if config is not None else candidate_configs(m, n, k, _num_sms(device))
-    part, sq, counts = _WORKSPACE.get(device, *_split_scratch(cfgs, m, n))
-    res = residual if residual is not None else x
-    args = (
-        x, res, norm_weight if norm_weight is not None else weight, weight, bias if bias is not None else weight,
-        y, res_out if res_out is not None else y, part, sq, counts, m, n, k, bucket,
-        x.stride(0), res.stride(0), weight.stride(0), y.stride(0),
-        res_out.stride(0) if res_out is not None else 0, eps,
-    )  # fmt: skip
-    flags = {"PROLOGUE": prologue, "HAS_RESIDUAL": residual is not None, "HAS_BIAS": bias is not None}
-
-    def grid(meta: dict) -> tuple[int, int, int]:
-        return (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"], triton.cdiv(m, meta["BLOCK_M"]))
-
-    if config is None and device.type == "cuda":
-        _tuned_kernel[grid](*args, **flags)
+    cfgs = [config] if config is not None else None
+    launch = _Launch(x, weight, bias, prologue, residual, norm_weight, eps, cfgs)
+    if x.shape[0] == 0:
+        return launch.y, launch.res_out
+    if config is None and x.is_cuda:
+        _tuned_kernel[launch.grid](*launch.args, **launch.flags)
     else:
-        c = cfgs[0]
+        c = launch.configs[0]
         meta = c.triton_config().kwargs
-        _gemv_kernel[grid](*args, **flags, **meta, num_warps=c.num_warps, num_stages=c.num_stages)
-    return y, res_out
+        _gemv_kernel[launch.grid](
+            *launch.args, **launch.flags, **meta, num_warps=c.num_warps, num_stages=c.num_stages
+        )
+    return launch.y, launch.res_out
+
+
+def compile_configs(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    prologue: int = PROLOGUE_NONE,
+    residual: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    configs: list[GemvConfig] | None = None,
+) -> int:
+    """Compiles (into Triton's cache, without running) the kernels `gemv` would try on these arguments:
+    `benchmark/kernel_bench.py` fills the cache from several processes at once. Returns how many."""
+    launch = _Launch(x, weight, bias, prologue, residual, norm_weight, 0.0, configs)
+    for c in launch.configs:
+        meta = c.triton_config().kwargs
+        _gemv_kernel.warmup(
+            *launch.args,
+            grid=(1, 1, 1),
+            **launch.flags,
+            **meta,
+            num_warps=c.num_warps,
+            num_stages=c.num_stages,
+        )
+    return len(launch.configs)
+
+
+class _Launch:
+    """The kernel arguments of one call: checked shapes, outputs, split-K scratch for every config tried."""
+
+    def __init__(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        prologue: int,
+        residual: torch.Tensor | None,
+        norm_weight: torch.Tensor | None,
+        eps: float,
+        configs: list[GemvConfig] | None,
+    ) -> None:
+        m = x.shape[0]
+        n, k = weight.shape
+        if weight.stride(1) != 1 or x.stride(-1) != 1:
+            raise ValueError("the GEMV needs dense weight and activation rows")
+        width = 2 * k if prologue == PROLOGUE_SILU_MUL else k
+        if x.dim() != 2 or x.shape[1] != width:
+            raise ValueError(
+                f"activation {tuple(x.shape)} does not fit weight {tuple(weight.shape)} (rows of {width})"
+            )
+        self.y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+        self.res_out = None
+        if prologue == PROLOGUE_RMSNORM:
+            if norm_weight is None:
+                raise ValueError("the RMSNorm prologue needs its weight")
+            self.res_out = torch.empty_like(x) if residual is not None else x
+        if m == 0:
+            return
+        self.configs = configs or candidate_configs(m, n, k, _num_sms(x.device))
+        part, sq, counts = _WORKSPACE.get(x.device, *_split_scratch(self.configs, m, n))
+        res = residual if residual is not None else x
+        res_out = self.res_out if residual is not None else self.y  # only written with a residual
+        self.args = (
+            x, res, norm_weight if norm_weight is not None else weight, weight, bias if bias is not None else weight,
+            self.y, res_out, part, sq, counts, m, n, k, m_bucket(m),
+            x.stride(0), res.stride(0), weight.stride(0), self.y.stride(0), res_out.stride(0), eps,
+        )  # fmt: skip
+        self.flags = {
+            "PROLOGUE": prologue,
+            "HAS_RESIDUAL": residual is not None,
+            "HAS_BIAS": bias is not None,
+        }
+        self.grid = lambda meta: (
+            triton.cdiv(n, meta["BLOCK_N"]),
+            meta["SPLIT_K"],
+            triton.cdiv(m, meta["BLOCK_M"]),
+        )
 
 
 def tuned_config(
