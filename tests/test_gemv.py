@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from kubesgl.kernels.activation import silu_and_mul, silu_and_mul_torch
-from kubesgl.kernels.gemv import LinearBackend
+from kubesgl.kernels.gemv import TRITON_MAX_ROWS, LinearBackend
 from kubesgl.kernels.gemv_triton import (
     CONFIGS,
     MAX_M,
@@ -118,6 +118,12 @@ def test_linear_backend_names_and_which_batches_it_takes() -> None:
     assert not LinearBackend("auto").takes(x)  # auto is CUDA only
     assert not LinearBackend("triton").takes(torch.zeros(MAX_M + 1, 8))
     assert not LinearBackend("triton").takes(torch.zeros(0, 8))
+    assert TRITON_MAX_ROWS == MAX_M  # the dispatcher's bound (kept free of the triton import) is the kernel's
+
+
+def test_gemv_of_an_empty_batch_is_empty() -> None:
+    y, _ = gemv(torch.zeros(0, 16), torch.zeros(8, 16))
+    assert y.shape == (0, 8)
 
 
 # --- a decoder on the GEMV (interpreter) -------------------------------------------------------------

@@ -4,8 +4,9 @@ a norm or an activation (their torch compositions are the references).
 `--linear-backend`: "torch" (default) is F.linear and the separate norm / SiLU kernels everywhere; "triton"
 runs batches of up to `gemv_triton.MAX_M` rows through the Triton GEMV (`kernels/gemv_triton.py`), with
 residual add + RMSNorm in the prologue of the qkv and gate_up projections and SiLU-and-mul in the down
-projection's; "auto" does the same up to AUTO_MAX_ROWS rows on CUDA (the batch sizes where the kernel beat
-cuBLAS on the H200) and is torch elsewhere. Prefill batches are larger and always take F.linear.
+projection's; "auto" does the same on CUDA up to AUTO_MAX_ROWS rows for the projections and AUTO_LM_HEAD_MAX_ROWS for the
+LM head (the batch sizes where the kernel beats cuBLAS on the H200: benchmark/kernel_bench.py's table) and is
+torch elsewhere. Prefill batches are larger and always take F.linear.
 """
 
 from __future__ import annotations
@@ -21,14 +22,18 @@ from kubesgl.kernels.norm import fused_add_rms_norm, rms_norm
 
 LINEAR_BACKENDS = ("torch", "triton", "auto")
 TRITON_MAX_ROWS = 256  # gemv_triton.MAX_M, without importing triton here
-AUTO_MAX_ROWS = 64  # rows up to which "auto" takes the Triton GEMV (benchmark/kernel_bench.py decides)
+# Rows up to which "auto" takes the Triton GEMV: guesses until benchmark/kernel_bench.py's table on the H200.
+AUTO_MAX_ROWS = 64
+AUTO_LM_HEAD_MAX_ROWS = 64
 
 
 @dataclass(frozen=True)
 class LinearBackend:
-    """The policy every linear layer of a model shares: which batches take the Triton GEMV."""
+    """The policy the linear layers of a model share: which batches take the Triton GEMV (`lm_head`: the
+    policy of the LM head, whose 151k-row weight favours other tilings than the projections')."""
 
     name: str = "torch"
+    lm_head: bool = False
 
     def __post_init__(self) -> None:
         if self.name not in LINEAR_BACKENDS:
@@ -36,7 +41,8 @@ class LinearBackend:
 
     @property
     def max_rows(self) -> int:
-        return {"torch": 0, "triton": TRITON_MAX_ROWS, "auto": AUTO_MAX_ROWS}[self.name]
+        auto = AUTO_LM_HEAD_MAX_ROWS if self.lm_head else AUTO_MAX_ROWS
+        return {"torch": 0, "triton": TRITON_MAX_ROWS, "auto": auto}[self.name]
 
     def takes(self, x: torch.Tensor) -> bool:
         """True when this batch of rows runs through the Triton GEMV: CUDA tensors, or CPU tensors under
