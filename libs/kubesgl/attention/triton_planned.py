@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from kubesgl.attention.decode_plan import ITEM_INTS, MERGE_INTS
-from kubesgl.attention.triton_kernels import LOG2E, _attend_block
+from kubesgl.attention.triton_kernels import LOG2E, _decode_range
 
 
 @triton.jit
@@ -58,26 +58,12 @@ def _planned_decode_kernel(
         start = tl.load(work_ptr + item * ITEM + 1)
         end = tl.load(work_ptr + item * ITEM + 2)
         slot = tl.load(work_ptr + item * ITEM + 3)
-        offs_h = tl.arange(0, BLOCK_H)
-        offs_d = tl.arange(0, BLOCK_D)
-        heads = kv_head * GROUP + offs_h
-        mask_h = offs_h < GROUP
-        mask_d = offs_d < HEAD_DIM
-        mask_hd = mask_h[:, None] & mask_d[None, :]
-        q = tl.load(
-            q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=mask_hd, other=0.0
-        )
-        m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-        row = page_table_ptr + b.to(tl.int64) * stride_pt
-        for n0 in range(start, end, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            mask_n = offs_n < end
-            m_i, l_i, acc = _attend_block(
-                q, k_ptr, v_ptr, row, offs_n, mask_n, mask_n[None, :], kv_head, offs_d, mask_d,
-                stride_ks, stride_kh, stride_vs, stride_vh, qk_scale, m_i, l_i, acc, PAGE_SIZE,
-            )  # fmt: skip
+        heads, mask_h, offs_d, m_i, l_i, acc = _decode_range(
+            q_ptr, k_ptr, v_ptr, page_table_ptr, b, kv_head, start, end, qk_scale, stride_qb, stride_qh,
+            stride_ks, stride_kh, stride_vs, stride_vh, stride_pt, GROUP, BLOCK_H, HEAD_DIM, BLOCK_D, PAGE_SIZE,
+            BLOCK_N,
+        )  # fmt: skip
+        mask_hd = mask_h[:, None] & (offs_d[None, :] < HEAD_DIM)
         out = acc / l_i[:, None]  # every item holds at least one token
         if slot < 0:
             tl.store(
