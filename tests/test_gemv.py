@@ -103,6 +103,7 @@ def test_candidate_configs_fit_the_bucket_and_leave_no_k_slice_empty() -> None:
         )
         cands = candidate_configs(m, n, k, num_sms=132)
         assert cands and set(cands) <= set(CONFIGS)
+        assert cands == candidate_configs(m_bucket(m), n, k, num_sms=132)  # one autotuning result per bucket
         bucket = m_bucket(m)
         for c in cands:
             assert c.block_m <= bucket  # no tile of rows that are all padding

@@ -210,19 +210,21 @@ def _programs(cfg: GemvConfig, m: int, n: int) -> int:
 
 
 def candidate_configs(m: int, n: int, k: int, num_sms: int) -> list[GemvConfig]:
-    """The configs worth timing for this shape: BLOCK_M fit for the bucket, no empty K-slices, and between
-    one and eight programs per multiprocessor (else the one nearest that range)."""
+    """The configs worth timing for m's bucket: BLOCK_M fit for the bucket, no empty K-slices, and between
+    one and eight programs per multiprocessor at the bucket's size (else the one nearest that range). A
+    function of the bucket, not of m, so every batch size of a bucket shares one autotuning result (in memory
+    and in Triton's disk cache, whose key holds the candidates)."""
+    bucket = m_bucket(m)
     fits = [
         c
         for c in CONFIGS
-        if c.block_m in _BLOCK_M_FOR_BUCKET[m_bucket(m)]
-        and (c.split_k == 1 or (c.split_k - 1) * _k_len(c, k) < k)
+        if c.block_m in _BLOCK_M_FOR_BUCKET[bucket] and (c.split_k == 1 or (c.split_k - 1) * _k_len(c, k) < k)
     ]
     lo, hi = num_sms, 8 * num_sms
-    inside = [c for c in fits if lo <= _programs(c, m, n) <= hi]
+    inside = [c for c in fits if lo <= _programs(c, bucket, n) <= hi]
     if inside:
         return inside
-    return [min(fits, key=lambda c: max(lo / _programs(c, m, n), _programs(c, m, n) / hi))]
+    return [min(fits, key=lambda c: max(lo / _programs(c, bucket, n), _programs(c, bucket, n) / hi))]
 
 
 def _k_len(cfg: GemvConfig, k: int) -> int:
