@@ -100,12 +100,23 @@ def part_copy(path: str | None) -> None:
 
 
 def precompile(workers: int) -> None:
-    """Fills Triton's cache with every GEMV tiling the benchmark (and then the engine) will try, from
-    `workers` processes at once: compiling ~130 kernels one after another in the autotuner takes minutes."""
+    """Fills Triton's cache with every GEMV kernel the benchmark (and then the engine) will try, from
+    `workers` processes at once: compiled one after another in the autotuner, ~130 kernels take minutes.
+    Each distinct (prologue, tiling) is compiled once, on one of the calls that will try it (the kernel is the
+    same for every shape: N, K and strides are all multiples of 16)."""
     from concurrent.futures import ProcessPoolExecutor
     from multiprocessing import get_context
 
-    jobs = [(name, m, variant) for name in SHAPES for m in ROWS for variant in _variants(name)]
+    from kubesgl.kernels.gemv_triton import candidate_configs
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    kernels: dict[tuple[str, object], tuple[str, int, str]] = {}
+    for name, (n, k) in SHAPES.items():
+        for m in ROWS:
+            for variant in _variants(name):
+                for c in candidate_configs(m, n, k, sms):
+                    kernels.setdefault((variant, c), (name, m, variant))
+    jobs = [(*call, cfg) for (_, cfg), call in kernels.items()]
     t0 = time.time()
     try:
         with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
@@ -138,14 +149,13 @@ def _call_args(name: str, m: int, variant: str) -> tuple[tuple[torch.Tensor, ...
     return (x, w), kw | ({"residual": torch.randn_like(x)} if variant == "norm" else {})
 
 
-def _compile_job(jobs: list[tuple[str, int, str]]) -> int:
+def _compile_job(jobs: list[tuple[str, int, str, Any]]) -> int:
     from kubesgl.kernels.gemv_triton import compile_configs
 
-    done = 0
-    for name, m, variant in jobs:
+    for name, m, variant, config in jobs:
         args, kw = _call_args(name, m, variant)
-        done += compile_configs(*args, **kw)
-    return done
+        compile_configs(*args, **kw, configs=[config])
+    return len(jobs)
 
 
 def part_tune(workers: int) -> None:
