@@ -45,6 +45,12 @@ def single_ascii_tokens(tokenizer) -> list[int]:  # type: ignore[no-untyped-def]
     return [tid for tid, s in enumerate(texts) if len(s) == 1 and s.isascii() and s.isprintable()]
 
 
+def terminating_random_logits(tokenizer, seed: int) -> RandomLogits:  # type: ignore[no-untyped-def]
+    """Favours one-character ASCII tokens and the stop tokens: random walks through strings and grammars
+    then end within a few hundred steps."""
+    return RandomLogits(QWEN3_VOCAB, seed, favoured=[*single_ascii_tokens(tokenizer), *QWEN3_EOS])
+
+
 @dataclass
 class Generated:
     token_ids: list[int] = field(default_factory=list)

@@ -17,7 +17,7 @@ from grammar_helpers import (
     RandomLogits,
     Row,
     generate,
-    single_ascii_tokens,
+    terminating_random_logits,
     text_of,
 )
 from kubesgl.errors import InvalidRequestError
@@ -26,34 +26,22 @@ from kubesgl.structured.compiler import GrammarCompiler
 from kubesgl.structured.constraint import Constraint, check_constraint
 from kubesgl.structured.matcher import GrammarRejectedToken, GrammarState, TokenBitmask
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():  # type: ignore[no-untyped-def]
-    """Row-sized torch ops are ~10x slower with 2 intra-op threads on a busy 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
-def tokenizer(qwen_tokenizer_dir: str):  # type: ignore[no-untyped-def]
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(qwen_tokenizer_dir)
+def tokenizer(qwen_tokenizer):  # type: ignore[no-untyped-def]
+    return qwen_tokenizer
 
 
 @pytest.fixture(scope="module")
-def compiler(tokenizer) -> GrammarCompiler:  # type: ignore[no-untyped-def]
-    c = GrammarCompiler.for_tokenizer(tokenizer, QWEN3_VOCAB, QWEN3_EOS)
-    yield c
-    c.close()
+def compiler(grammar_compiler) -> GrammarCompiler:  # type: ignore[no-untyped-def]
+    return grammar_compiler
 
 
 @pytest.fixture(scope="module")
 def model(tokenizer) -> RandomLogits:  # type: ignore[no-untyped-def]
-    # Favouring the stop tokens too: a random walk through an expression grammar ends now and then.
-    return RandomLogits(QWEN3_VOCAB, seed=7, favoured=[*single_ascii_tokens(tokenizer), *QWEN3_EOS])
+    return terminating_random_logits(tokenizer, seed=7)
 
 
 SCHEMAS: dict[str, dict] = {
