@@ -10,7 +10,6 @@ the one generated token); is_greedy compares each with max(top_logprobs[i].value
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -48,7 +47,9 @@ def test_lm_eval_loglikelihood_matches_the_checkpoint(
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
     monkeypatch.chdir(REPO)  # the task's data_files path is relative to the repository root
-    stack = stack_factory(tmp_path / "stack", scheduler_args=(*TEST_SCHEDULER_ARGS, "--context-length", "256"))
+    stack = stack_factory(
+        tmp_path / "stack", scheduler_args=(*TEST_SCHEDULER_ARGS, "--context-length", "256")
+    )
     try:
         lm = LocalCompletionsAPI(
             base_url=f"{stack.gateway_urls[0]}/v1/completions",
@@ -68,10 +69,9 @@ def test_lm_eval_loglikelihood_matches_the_checkpoint(
     finally:
         stack.stop(timeout_s=10)
     samples = out["samples"]["kubesgl_synthetic_ll"]
-    assert len(samples) == sum(1 for _ in open(TASKS / "synthetic.jsonl"))
+    assert len(samples) == len((TASKS / "synthetic.jsonl").read_text().splitlines())
     for s in samples:
         context, continuation = s["arguments"][0]
         ctx_ids, cont_ids = lm._encode_pair(context, continuation)
         served = s["resps"][0][0][0]
         assert served == pytest.approx(_reference_loglikelihood(demo_model_dir, ctx_ids, cont_ids), abs=1e-3)
-    assert os.path.isfile(TASKS / "kubesgl_synthetic.yaml")
