@@ -9,6 +9,8 @@ import re
 from collections.abc import Callable
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from kubesgl.openai_api.tool_calls import (
     LLAMA3,
     MISTRAL,
@@ -217,3 +219,43 @@ def test_the_format_is_read_from_the_chat_template(qwen_tokenizer_dir: str) -> N
     assert detect_tool_format("{{ '[TOOL_CALLS]' }}") is MISTRAL
     assert detect_tool_format("no tools", frozenset({"[TOOL_CALLS]"})) is MISTRAL
     assert detect_tool_format("{{ messages }}") is None and detect_tool_format(None) is None
+
+
+_PIECES = [
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_",
+    "<|python_tag|>",
+    "[TOOL_CALLS]",
+    "[",
+    "]",
+    "{",
+    "}",
+    '"name"',
+    '"arguments"',
+    '"parameters"',
+    ":",
+    ",",
+    ";",
+    " ",
+    "\n",
+    '"f"',
+    '"a\\"}"',
+    "1",
+    "null",
+    "text",
+    "\\",
+]
+
+
+@given(pieces=st.lists(st.sampled_from(_PIECES), max_size=30), cut=st.integers(0, 400))
+@settings(max_examples=300, derandomize=True, deadline=None, database=None)
+def test_any_text_parses_and_streams_consistently(pieces: list[str], cut: int) -> None:
+    text = "".join(pieces)
+    for fmt in (QWEN25, LLAMA3, MISTRAL):
+        whole = parse_tool_calls(text, fmt, ids())
+        stream = ToolCallStream(fmt, ids())
+        split = [*stream.push(text[:cut]), *stream.push(text[cut:]), *stream.finish()]
+        assert fold_deltas(split) == whole
+        if not whole.tool_calls:  # nothing was a call: all the text is content, not a character lost
+            assert whole.content == text
