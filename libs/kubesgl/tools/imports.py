@@ -28,7 +28,7 @@ from pathlib import Path
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("kubesgl.errors", "kubesgl.values"),  # the engine's public values: SamplingParams, RequestOutput, ...
     ("kubesgl.codec", "kubesgl.protocol"),  # the wire: every subject and message, carrying those values
-    ("kubesgl.distributed", "kubesgl.kv", "kubesgl.text"),
+    ("kubesgl.distributed", "kubesgl.kv", "kubesgl.text", "kubesgl.structured"),
     ("kubesgl.attention", "kubesgl.kernels"),
     ("kubesgl.layers",),
     ("kubesgl.models",),
@@ -53,6 +53,7 @@ LIBRARY = (
     "kubesgl.distributed",
     "kubesgl.kv",
     "kubesgl.text",
+    "kubesgl.structured",
     "kubesgl.attention",
     "kubesgl.kernels",
     "kubesgl.layers",
