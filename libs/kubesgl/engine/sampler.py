@@ -34,8 +34,9 @@ def temperature_probs(logits: torch.Tensor, temperature: torch.Tensor) -> torch.
 
 
 def exponential_race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """argmax p / E with E ~ Exp(1) draws from p exactly (Gumbel-max in ratio form)."""
-    return (probs / noise).argmax(dim=-1)
+    """argmax p / E with E ~ Exp(1) draws from p exactly (Gumbel-max in ratio form). E is kept above 0: a draw
+    of exactly 0 would make a zero-probability (masked, filtered) token's 0 / 0 a NaN that wins the argmax."""
+    return (probs / noise.clamp_min(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
 
 
 def temperature_tokens(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
@@ -54,7 +55,9 @@ def seeded_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> 
     s = _mix32((s ^ _mix32(positions & _M32)) & _M32)
     ids = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
     x = _mix32((s[:, None] ^ _mix32(ids)[None, :] * 3 + 0x9E37) & _M32)
-    return ((x >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    # 23 bits: (2**23 - 0.5) / 2**23 is still below 1 in float32 ((2**24 - 0.5) / 2**24 rounded to 1.0, whose
+    # zero noise made a masked token's 0 / 0 = NaN win the race).
+    return ((x >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
 
 
 def _penalized(p: SamplingParams) -> bool:
