@@ -455,7 +455,7 @@ def test_seeded_noise_stays_inside_zero_one_and_zero_noise_never_picks_a_zero_pr
 
     seeds = torch.arange(64, dtype=torch.int64) * 0x9E3779B97F4A7C15 % 2**63
     u = seeded_uniform(seeds, torch.arange(64, dtype=torch.int64) * 131, QWEN3_VOCAB)
-    assert 0.0 < float(u.min()) and float(u.max()) < 1.0
+    assert float(u.min()) > 0.0 and float(u.max()) < 1.0
     probs = torch.tensor([[0.0, 0.3, 0.7], [0.5, 0.0, 0.5]])
     noise = torch.tensor([[0.0, 1.0, 1.0], [1.0, 0.0, 2.0]])  # a zero draw on a zero-probability token
     assert exponential_race(probs, noise).tolist() == [2, 0]
