@@ -4,9 +4,9 @@ trace span), released exactly once whichever way the response ends."""
 from __future__ import annotations
 
 from fastapi import Request
+from kubesgl.service.telemetry.tracing import ATTR_MODEL, SPAN_GATEWAY_REQUEST, traceparent
 from kubesgl.services.gateway.api_keys import ANONYMOUS
 from kubesgl.services.gateway.gateway import Gateway
-from kubesgl.telemetry.tracing import ATTR_MODEL, SPAN_GATEWAY_REQUEST, traceparent
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 # nginx's "client closed request": the client left before the answer.

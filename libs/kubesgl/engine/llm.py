@@ -8,9 +8,9 @@ from typing import Any
 
 from kubesgl.engine.config import EngineConfig
 from kubesgl.engine.engine import Engine
-from kubesgl.engine.sampling import SamplingParams
 from kubesgl.errors import InvalidRequestError
 from kubesgl.text.tokenizer import ModelTokenizer
+from kubesgl.values.sampling import SamplingParams
 
 
 class LLM:

@@ -37,7 +37,7 @@ from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 
-from kubesgl.engine.types import EngineStats
+from kubesgl.values.outputs import EngineStats
 
 # SGLang's default buckets (python/sglang/srt/metrics/collector.py, TokenizerMetricsCollector).
 TTFT_BUCKETS = (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400)
