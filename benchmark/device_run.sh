@@ -65,6 +65,14 @@ case "$mode" in
     $P --attn flashinfer --linear-backend triton 2>&1 | tail -1
     $P --attn flashinfer,triton-planned --linear-backend triton 2>&1 | tail -14 | tee "$OUT/p_levers.txt"
     ;;
+  tests)  # every GPU test (skipped on CPU), bounded
+    timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu --continue-on-collection-errors tests/ 2>&1 | tail -12 | tee "$OUT/gpu_tests.txt"
+    ;;
+  levers)  # the offline benchmark: today's default against each lever, same call (step profiles on the last)
+    P="timeout 80 $B --model Qwen3-0.6B"
+    $P --attn flashinfer 2>&1 | tail -1
+    $P --attn flashinfer,triton-planned 2>&1 | tail -1
+    ;;
   cache-save)  # the compile caches, for the next call's .gpu/ (each file must stay under 16 MB to come back)
     [ -d "$HOME/.cache/flashinfer" ] && tar czf "$OUT/cache-flashinfer.tgz" -C "$HOME" .cache/flashinfer
     [ -d "$HOME/.triton/cache" ] && tar czf "$OUT/cache-triton.tgz" -C "$HOME" .triton/cache
