@@ -113,12 +113,15 @@ class Scheduler:
         """The next batch: prefill work first (new or chunked requests), else one decode step for all. With
         mixed chunks on, a prefill step also carries every decode-ready request, one token each."""
         decoding = self._decode_ready()
+        prefill = [r for r in self.running if r.is_prefilling] + [r for r in self.waiting if r.pending == 0]
         scheduled = None
-        if self.limits.enable_mixed_chunk and decoding:
-            scheduled = self._schedule_extend(decoding)
+        if prefill and self.limits.enable_mixed_chunk and decoding:
+            scheduled = self._schedule_extend(prefill, decoding)
         # Without mixing, or when the decode rows leave no budget or memory for any prefill: as without the flag
         # (the decode step after it is where memory pressure preempts).
-        scheduled = scheduled or self._schedule_extend([]) or self._schedule_decode(decoding)
+        if prefill and scheduled is None:
+            scheduled = self._schedule_extend(prefill, [])
+        scheduled = scheduled or self._schedule_decode(decoding)
         if scheduled is None:
             return None
         plan = scheduled[0]
@@ -146,15 +149,13 @@ class Scheduler:
     def _decode_pages(self, batch: list[Req]) -> int:
         return sum(self.pool.pages_for(r.kv_len + 1) - len(r.pages) for r in batch)
 
-    def _schedule_extend(self, decoding: list[Req]) -> tuple[BatchPlan, list[Req]] | None:
-        """Prefill chunks up to the token budget. `decoding` (mixed chunk) ride along as the plan's last rows;
-        as in SGLang each counts one token against the budget, so a step stays within --max-prefill-length.
-        None when no prefill fits, with them or (decoding empty) at all."""
-        candidates = [r for r in self.running if r.is_prefilling] + [
-            r for r in self.waiting if r.pending == 0
-        ]
-        if not candidates:
-            return None
+    def _schedule_extend(
+        self, candidates: list[Req], decoding: list[Req]
+    ) -> tuple[BatchPlan, list[Req]] | None:
+        """Prefill chunks of `candidates` (chunked requests, then the queue) up to the token budget. `decoding`
+        (mixed chunk) ride along as the plan's last rows; as in SGLang each counts one token against the budget,
+        so a step stays within --max-prefill-length. None when no prefill fits, with them or (decoding empty)
+        at all; a failed attempt leaves the queue as it was (an admission it took back heads the queue)."""
         budget = self.limits.max_prefill_tokens - len(decoding)
         reserved = self._decode_pages(decoding)  # kept free for the decode rows through the loop
         if decoding and (budget <= 0 or not self._make_room(reserved)):
