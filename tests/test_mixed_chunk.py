@@ -17,11 +17,13 @@ import pytest
 import torch
 from engine_helpers import assert_greedy_match
 from kubesgl import LLM, SamplingParams
+from kubesgl.cli import build_parser
 from kubesgl.engine.plan import BatchPlan
 from kubesgl.engine.scheduler import Scheduler, SchedulerLimits, StepTokens
 from kubesgl.kv.page_pool import PagePool
 from kubesgl.kv.radix import RadixCache
 from kubesgl.models.random_init import build_random_model
+from kubesgl.services.scheduler.app import engine_config
 from kubesgl.values.sampling import LogprobOptions
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -134,6 +136,17 @@ def test_decoder_aborted_while_its_mixed_step_is_in_flight_drops_its_token() -> 
     assert [r.rid for r in s.running] == ["d1"]
     s.abort("d1")
     assert s.pool.num_free + s.cache.evictable_pages == s.pool.capacity
+
+
+def test_sglang_flag_reaches_the_engine_and_the_benchmark() -> None:
+    def parse(*flags: str) -> tuple[bool, bool]:
+        sched = engine_config(build_parser("scheduler").parse_args(["scheduler", "--model", "/m", *flags]))
+        bench = build_parser("bench").parse_args(["bench", "offline", *flags])
+        return sched.enable_mixed_chunk, bench.enable_mixed_chunk
+
+    assert parse() == (False, False)  # off until the device says otherwise (docs/performance.md)
+    assert parse("--enable-mixed-chunk") == (True, True)
+    assert parse("--enable-mixed-chunk", "--no-enable-mixed-chunk") == (False, False)
 
 
 # --- the engine, mixing on and off ----------------------------------------------------------------------
