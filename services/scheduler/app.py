@@ -16,6 +16,7 @@ from kubesgl.services.scheduler.engine_loop import EngineLoop
 from kubesgl.services.scheduler.service import SchedulerService
 from kubesgl.telemetry.metrics import SchedulerMetrics, new_registry
 from kubesgl.telemetry.scheduler import SchedulerTelemetry
+from kubesgl.telemetry.stats_log import StatsLog
 from kubesgl.telemetry.tracing import Tracing
 from nats.aio.client import Client
 
@@ -69,6 +70,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="tokens per block in the prefix-cache KV events routers use (same on every instance and "
         "tokenizer; 0 = publish none; radix cache only)",
     )
+    parser.add_argument(
+        "--stats-log-interval",
+        type=float,
+        default=10.0,
+        help="seconds between the one-line stats log (running, queued, token usage, cache hit rate, gen "
+        "tok/s) while busy; silent while idle; 0 = off",
+    )
     add_service_arguments(parser, drain_timeout_s=30.0)
 
 
@@ -121,7 +129,8 @@ def main(args: argparse.Namespace) -> int:
 
     def make_telemetry(info: ModelInfo) -> SchedulerTelemetry:
         metrics = SchedulerMetrics(registry, model, info.page_size, info.num_pages)
-        return SchedulerTelemetry(metrics, tracing, instance_id, model)
+        stats_log = StatsLog(args.stats_log_interval, info.page_size)
+        return SchedulerTelemetry(metrics, tracing, instance_id, model, stats_log=stats_log)
 
     def make_engine() -> Engine:
         return Engine(config)

@@ -452,6 +452,8 @@ class GatewayRequestMetrics:
         self._start = time.perf_counter()
         self._last_token: float | None = None
         self._finished = False
+        self.tokens = 0  # completion tokens sent so far
+        self.ttft_s: float | None = None
         metrics._in_flight.labels(model=model).inc()
 
     def on_tokens(self, n: int) -> None:
@@ -459,8 +461,10 @@ class GatewayRequestMetrics:
         if n <= 0:
             return
         now = time.perf_counter()
+        self.tokens += n
         if self._last_token is None:
-            self._m._ttft.labels(model=self._model).observe(now - self._start)
+            self.ttft_s = now - self._start
+            self._m._ttft.labels(model=self._model).observe(self.ttft_s)
         else:
             per_token = (now - self._last_token) / n
             for _ in range(n):
