@@ -319,16 +319,12 @@ def _connect_host(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "") else host
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("KUBESGL_CACHE") or Path.home() / ".cache" / "kubesgl")
-
-
 def resolve_model(model: str, served_model_name: str | None) -> tuple[str, str]:
     """(model dir, served name); `demo` builds (once, cached) the tiny random Qwen3 with the real tokenizer."""
     if model == DEMO:
-        from kubesgl.models.random_init import build_demo_model
+        from kubesgl.models.random_init import resolve_demo
 
-        return str(build_demo_model(cache_dir())), served_model_name or DEMO
+        return resolve_demo(model), served_model_name or DEMO
     if not Path(model, "config.json").is_file():
         raise SystemExit(f"kubesgl up: {model} is not a model directory (no config.json)")
     return model, served_model_name or os.path.basename(os.path.normpath(model))
