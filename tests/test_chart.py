@@ -19,7 +19,9 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
+from crd_schemas import crd_kinds, validate_custom_resource
 from kubesgl.cli import build_parser
+from test_kustomize import merged
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "charts" / "kubesgl"
@@ -29,98 +31,6 @@ RELEASE, NAMESPACE = "kubesgl", "llm"
 VALUE_SETS: dict[str, dict[str, Any]] = {"defaults": {}} | {
     path.name.removesuffix("-values.yaml"): yaml.safe_load(path.read_text())
     for path in sorted((CHART / "ci").glob("*-values.yaml"))
-}
-
-# Minimal schemas for the CRD kinds, from the fields their documentation defines (prometheus-operator
-# monitoring.coreos.com/v1, KEDA keda.sh/v1alpha1). Unknown fields are rejected where we set them.
-_ENDPOINT = {
-    "type": "object",
-    "additionalProperties": False,
-    "required": ["port"],
-    "properties": {"port": {"type": "string"}, "path": {"type": "string"}, "interval": {"type": "string"}},
-}
-_SELECTOR = {
-    "type": "object",
-    "additionalProperties": False,
-    "properties": {"matchLabels": {"type": "object", "additionalProperties": {"type": "string"}}},
-}
-_NAMESPACES = {
-    "type": "object",
-    "additionalProperties": False,
-    "properties": {"matchNames": {"type": "array", "items": {"type": "string"}}, "any": {"type": "boolean"}},
-}
-
-
-def _crd(spec: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "type": "object",
-        "required": ["apiVersion", "kind", "metadata", "spec"],
-        "properties": {
-            "metadata": {"type": "object", "required": ["name"]},
-            "spec": {"type": "object", "additionalProperties": False, **spec},
-        },
-    }
-
-
-CRD_SCHEMAS: dict[tuple[str, str], dict[str, Any]] = {
-    ("monitoring.coreos.com/v1", "ServiceMonitor"): _crd(
-        {
-            "required": ["selector", "endpoints"],
-            "properties": {
-                "selector": _SELECTOR,
-                "namespaceSelector": _NAMESPACES,
-                "endpoints": {"type": "array", "minItems": 1, "items": _ENDPOINT},
-            },
-        }
-    ),
-    ("monitoring.coreos.com/v1", "PodMonitor"): _crd(
-        {
-            "required": ["selector", "podMetricsEndpoints"],
-            "properties": {
-                "selector": _SELECTOR,
-                "namespaceSelector": _NAMESPACES,
-                "podMetricsEndpoints": {"type": "array", "minItems": 1, "items": _ENDPOINT},
-            },
-        }
-    ),
-    ("keda.sh/v1alpha1", "ScaledObject"): _crd(
-        {
-            "required": ["scaleTargetRef", "triggers"],
-            "properties": {
-                "scaleTargetRef": {
-                    "type": "object",
-                    "additionalProperties": False,
-                    "required": ["name"],
-                    "properties": {
-                        "apiVersion": {"type": "string"},
-                        "kind": {"type": "string"},
-                        "name": {"type": "string"},
-                    },
-                },
-                "minReplicaCount": {"type": "integer", "minimum": 0},
-                "maxReplicaCount": {"type": "integer", "minimum": 1},
-                "pollingInterval": {"type": "integer", "minimum": 1},
-                "cooldownPeriod": {"type": "integer", "minimum": 0},
-                "triggers": {
-                    "type": "array",
-                    "minItems": 1,
-                    "items": {
-                        "type": "object",
-                        "required": ["type", "metadata"],
-                        "properties": {
-                            "type": {"const": "prometheus"},
-                            # KEDA reads trigger metadata as strings.
-                            "metadata": {
-                                "type": "object",
-                                "required": ["serverAddress", "query", "threshold"],
-                                "additionalProperties": {"type": "string"},
-                            },
-                        },
-                    },
-                },
-            },
-        }
-    ),
 }
 
 
@@ -147,8 +57,14 @@ def one(objects: list[dict[str, Any]], kind: str, component: str) -> dict[str, A
 
 def pod_specs(objects: list[dict[str, Any]]) -> Iterator[tuple[str, dict[str, Any]]]:
     for o in objects:
-        if o["kind"] in ("Deployment", "StatefulSet"):
+        if o["kind"] in ("Deployment", "StatefulSet", "Job"):
             yield o["metadata"]["name"], o["spec"]["template"]["spec"]
+        elif o["kind"] == "LeaderWorkerSet":
+            for role in ("leader", "worker"):
+                yield (
+                    f"{o['metadata']['name']}/{role}",
+                    o["spec"]["leaderWorkerTemplate"][f"{role}Template"]["spec"],
+                )
         elif o["kind"] == "Pod":
             yield o["metadata"]["name"], o["spec"]
 
@@ -175,35 +91,64 @@ def test_chart_lints_clean(value_set: str) -> None:
 
 @pytest.mark.parametrize("value_set", sorted(VALUE_SETS))
 def test_every_rendered_object_is_valid(value_set: str) -> None:
+    """Kubernetes kinds against Kubernetes 1.32's schemas, custom resources against their projects' CRDs
+    (tests/data/crds); both strict: an unknown field fails."""
     for obj in render(VALUE_SETS[value_set]):
-        crd_schema = CRD_SCHEMAS.get((obj["apiVersion"], obj["kind"]))
-        if crd_schema is not None:
-            jsonschema.validate(obj, crd_schema)
+        if (obj["apiVersion"], obj["kind"]) in crd_kinds():
+            validate_custom_resource(obj)
         else:
             kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
 
 
+def test_every_custom_resource_kind_has_its_crd() -> None:
+    rendered = {(o["apiVersion"], o["kind"]) for v in VALUE_SETS.values() for o in render(v)}
+    custom = {k for k in rendered if "." in k[0].split("/")[0]} - {
+        ("networking.k8s.io/v1", "Ingress"),
+        ("networking.k8s.io/v1", "NetworkPolicy"),
+        ("rbac.authorization.k8s.io/v1", "Role"),
+        ("rbac.authorization.k8s.io/v1", "RoleBinding"),
+    }
+    assert custom == {
+        ("keda.sh/v1alpha1", "ScaledObject"),
+        ("monitoring.coreos.com/v1", "ServiceMonitor"),
+        ("monitoring.coreos.com/v1", "PodMonitor"),
+        ("monitoring.coreos.com/v1", "PrometheusRule"),
+        ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"),
+    }
+    assert custom <= crd_kinds()
+
+
 def test_crd_schemas_reject_malformed_objects() -> None:
-    scaled = next(o for o in render(VALUE_SETS["full-features"]) if o["kind"] == "ScaledObject")
-    jsonschema.validate(scaled, CRD_SCHEMAS[("keda.sh/v1alpha1", "ScaledObject")])
-    del scaled["spec"]["scaleTargetRef"]
-    with pytest.raises(jsonschema.ValidationError):
-        jsonschema.validate(scaled, CRD_SCHEMAS[("keda.sh/v1alpha1", "ScaledObject")])
+    objects = render(VALUE_SETS["full-features"])
+    scaled = next(o for o in objects if o["kind"] == "ScaledObject")
+    validate_custom_resource(scaled)
+    missing = json.loads(json.dumps(scaled))
+    del missing["spec"]["scaleTargetRef"]
+    with pytest.raises(jsonschema.ValidationError, match="scaleTargetRef"):
+        validate_custom_resource(missing)
+    # Strict like the API server's field validation: a misspelt field is an error, not ignored.
+    lws = next(o for o in render(VALUE_SETS["multinode-gpu"]) if o["kind"] == "LeaderWorkerSet")
+    validate_custom_resource(lws)
+    lws["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]["containers"][0]["resourcez"] = {}
+    with pytest.raises(jsonschema.ValidationError, match="resourcez"):
+        validate_custom_resource(lws)
 
 
 def test_optional_objects_appear_only_when_enabled() -> None:
     defaults = {o["kind"] for o in render({})}
-    full = {o["kind"] for o in render(VALUE_SETS["full-features"])}
+    shipped = {o["kind"] for name, v in VALUE_SETS.items() if name != "defaults" for o in render(v)}
     optional = {
         "Ingress",
         "HorizontalPodAutoscaler",
         "ScaledObject",
         "ServiceMonitor",
         "PodMonitor",
+        "PrometheusRule",
         "NetworkPolicy",
+        "LeaderWorkerSet",
     }
     assert defaults.isdisjoint(optional)
-    assert optional <= full
+    assert optional <= shipped
 
 
 def test_scheduler_gets_tp_gpus() -> None:
@@ -323,7 +268,8 @@ def test_networkpolicy_isolates_nats() -> None:
     assert gateway["ingress"] == [
         {
             "ports": [{"port": "http", "protocol": "TCP"}],
-            "from": VALUE_SETS["full-features"]["networkPolicy"]["gatewayFrom"],
+            "from": VALUE_SETS["full-features"]["networkPolicy"]["gatewayFrom"]
+            + [{"podSelector": {"matchLabels": _selector(test_pod)}}],
         }
     ]
     for component in ("tokenizer", "detokenizer", "scheduler"):
@@ -333,6 +279,118 @@ def test_networkpolicy_isolates_nats() -> None:
         ]
     for spec in policies.values():
         assert spec["policyTypes"] == ["Ingress"]
+
+
+def _selector(pod: dict[str, Any]) -> dict[str, str]:
+    labels = pod["metadata"]["labels"]
+    return {
+        k: labels[k]
+        for k in ("app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kubernetes.io/component")
+    }
+
+
+def _admits(rule: dict[str, Any], pod: dict[str, Any]) -> bool:
+    """Whether a NetworkPolicy ingress rule lets a pod of this release's namespace in (podSelector peers)."""
+    if "from" not in rule:
+        return True
+    labels = pod["metadata"]["labels"]
+    return any(
+        set(peer) == {"podSelector"} and _matches(peer["podSelector"].get("matchLabels", {}), labels)
+        for peer in rule["from"]
+    )
+
+
+def test_helm_test_pod_gets_through_the_gateway_policy() -> None:
+    """With gatewayFrom set the gateway admits only those peers: the `helm test` pod is admitted explicitly,
+    and nothing else of the release is."""
+    objects = render(VALUE_SETS["full-features"])
+    test_pod = next(o for o in objects if o["kind"] == "Pod")
+    gateway = next(
+        o for o in objects if o["kind"] == "NetworkPolicy" and o["metadata"]["name"] == f"{RELEASE}-gateway"
+    )
+    [rule] = gateway["spec"]["ingress"]
+    assert _admits(rule, test_pod)
+    tokenizer_pod = one(objects, "Deployment", "tokenizer")["spec"]["template"]
+    assert not _admits(rule, tokenizer_pod)
+    # Without the test pod, no rule for it; without gatewayFrom, every source is admitted anyway.
+    quiet = merged(VALUE_SETS["full-features"], {"tests": {"enabled": False}})
+    gateway = next(
+        o
+        for o in render(quiet)
+        if o["kind"] == "NetworkPolicy" and o["metadata"]["name"] == f"{RELEASE}-gateway"
+    )
+    assert (
+        gateway["spec"]["ingress"][0]["from"] == VALUE_SETS["full-features"]["networkPolicy"]["gatewayFrom"]
+    )
+    open_policy = next(
+        o
+        for o in render({"networkPolicy": {"enabled": True}})
+        if o["kind"] == "NetworkPolicy" and o["metadata"]["name"] == f"{RELEASE}-gateway"
+    )
+    assert _admits(open_policy["spec"]["ingress"][0], test_pod)
+
+
+def test_multinode_ranks_reach_each_other() -> None:
+    objects = render(VALUE_SETS["multinode-gpu"])
+    policy = next(
+        o for o in objects if o["kind"] == "NetworkPolicy" and o["metadata"]["name"] == f"{RELEASE}-scheduler"
+    )
+    lws = next(o for o in objects if o["kind"] == "LeaderWorkerSet")["spec"]["leaderWorkerTemplate"]
+    leader, worker = lws["leaderTemplate"], lws["workerTemplate"]
+    # Workers reach the leader's rendezvous and each other on any port; NATS only from the leader.
+    rank_rule = next(r for r in policy["spec"]["ingress"] if "ports" not in r)
+    assert _admits(rank_rule, worker) and _admits(rank_rule, leader)
+    assert leader["metadata"]["labels"].get("kubesgl.io/nats-client") == "true"
+    assert "kubesgl.io/nats-client" not in worker["metadata"]["labels"]
+    single = next(
+        o
+        for o in render(VALUE_SETS["full-features"])
+        if o["kind"] == "NetworkPolicy" and o["metadata"]["name"] == f"{RELEASE}-scheduler"
+    )
+    assert all("ports" in r for r in single["spec"]["ingress"])
+
+
+def test_bundled_nats_pdb_spread_and_exporter_probes() -> None:
+    objects = render(VALUE_SETS["full-features"])
+    nats = one(objects, "StatefulSet", "nats")
+    pdb = one(objects, "PodDisruptionBudget", "nats")["spec"]
+    assert pdb["maxUnavailable"] == 1
+    assert _matches(pdb["selector"]["matchLabels"], nats["spec"]["template"]["metadata"]["labels"])
+    pod = nats["spec"]["template"]["spec"]
+    [term] = pod["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert term["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+    assert _matches(
+        term["podAffinityTerm"]["labelSelector"]["matchLabels"],
+        nats["spec"]["template"]["metadata"]["labels"],
+    )
+    exporter = next(c for c in pod["containers"] if c["name"] == "exporter")
+    assert (
+        exporter["readinessProbe"]["httpGet"]
+        == exporter["livenessProbe"]["httpGet"]
+        == {"path": "/metrics", "port": "metrics"}
+    )
+    hard = one(render({"nats": {"bundled": {"podAntiAffinity": "hard"}}}), "StatefulSet", "nats")
+    assert (
+        "requiredDuringSchedulingIgnoredDuringExecution"
+        in hard["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]
+    )
+    mine = {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [
+                    {"matchExpressions": [{"key": "pool", "operator": "In", "values": ["infra"]}]}
+                ]
+            }
+        }
+    }
+    own = one(render({"nats": {"bundled": {"affinity": mine}}}), "StatefulSet", "nats")
+    assert own["spec"]["template"]["spec"]["affinity"] == mine
+    assert (
+        "affinity"
+        not in one(render({"nats": {"bundled": {"podAntiAffinity": "none"}}}), "StatefulSet", "nats")["spec"][
+            "template"
+        ]["spec"]
+    )
 
 
 def test_external_nats_runs_no_server_and_uses_secret_credentials() -> None:
@@ -360,10 +418,11 @@ def test_external_nats_runs_no_server_and_uses_secret_credentials() -> None:
 
 def test_bundled_nats_enforces_the_token_the_services_send() -> None:
     objects = render({})
-    secret = one(objects, "Secret", "nats")
-    assert set(secret["data"]) >= {"token"}
+    # The hook Job makes the Secret in the cluster (test_chart_upgrades.py runs it).
+    job = one(objects, "Job", "nats-credentials")["spec"]["template"]["spec"]["containers"][0]
+    secret_name, token_key = env(job)["SECRET_NAME"], env(job)["TOKEN_KEY"]
     server = container(objects, "StatefulSet", "nats")
-    assert env(server)["NATS_TOKEN"] == {"secretKeyRef": {"name": secret["metadata"]["name"], "key": "token"}}
+    assert env(server)["NATS_TOKEN"] == {"secretKeyRef": {"name": secret_name, "key": token_key}}
     conf = one(objects, "ConfigMap", "nats")["data"]["nats.conf"]
     assert "token: $NATS_TOKEN" in conf and "max_payload: 8388608" in conf
     gateway = container(objects, "Deployment", "gateway")
@@ -393,14 +452,38 @@ def test_keda_scales_schedulers_on_queue_depth() -> None:
         "name": statefulset["metadata"]["name"],
     }
     trigger = scaled["triggers"][0]["metadata"]
+    # Per pod first (max), so a pod two scrape jobs see still counts once.
     assert (
         trigger["query"]
-        == f'sum(sglang:num_queue_reqs{{namespace="{NAMESPACE}",pod=~"{RELEASE}-scheduler-[0-9]+"}})'
+        == f'sum(max by (pod) (sglang:num_queue_reqs{{namespace="{NAMESPACE}",pod=~"{RELEASE}-scheduler-[0-9]+"}}))'
     )
     assert trigger["serverAddress"] == "http://prometheus-operated.monitoring:9090"
     assert trigger["threshold"] == "8"
     # KEDA owns the replica count; the StatefulSet must not fight it.
     assert "replicas" not in statefulset["spec"]
+    # Never to zero, never scaled down blind, and one new instance per model load.
+    assert scaled["minReplicaCount"] >= 1
+    assert scaled["fallback"] == {"failureThreshold": 3, "replicas": 1, "behavior": "currentReplicasIfHigher"}
+    behavior = scaled["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
+    assert behavior["scaleUp"]["policies"] == [{"type": "Pods", "value": 1, "periodSeconds": 300}]
+    assert behavior["scaleDown"]["stabilizationWindowSeconds"] == 900
+    # A multi-node instance scales as LWS groups (its leaders' queues).
+    lws = next(o for o in render(VALUE_SETS["multinode-gpu"]) if o["kind"] == "ScaledObject")["spec"]
+    assert lws["scaleTargetRef"] == {
+        "apiVersion": "leaderworkerset.x-k8s.io/v1",
+        "kind": "LeaderWorkerSet",
+        "name": f"{RELEASE}-scheduler",
+    }
+
+
+def test_scale_to_zero_is_refused() -> None:
+    values = {
+        "scheduler": {
+            "autoscaling": {"enabled": True, "prometheusAddress": "http://p:9090", "minReplicas": 0}
+        }
+    }
+    with pytest.raises(helm_python.HelmError, match="minReplicas"):
+        render(values)
 
 
 def test_hpa_owns_replicas_when_enabled() -> None:
@@ -409,28 +492,106 @@ def test_hpa_owns_replicas_when_enabled() -> None:
         assert "replicas" not in one(objects, "Deployment", component)["spec"]
         hpa = one(objects, "HorizontalPodAutoscaler", component)["spec"]
         assert hpa["scaleTargetRef"]["name"] == f"{RELEASE}-{component}"
-
-
-def test_monitors_scrape_every_component() -> None:
-    objects = render(VALUE_SETS["full-features"])
-    service_monitor = next(o for o in objects if o["kind"] == "ServiceMonitor")["spec"]
-    scraped = [
-        o
-        for o in objects
-        if o["kind"] == "Service"
-        and all(
-            o["metadata"]["labels"].get(k) == v for k, v in service_monitor["selector"]["matchLabels"].items()
-        )
-    ]
-    ports = {e["port"] for e in service_monitor["endpoints"]}
-    covered = {
-        s["metadata"]["labels"]["app.kubernetes.io/component"]
-        for s in scraped
-        if ports & {p["name"] for p in s["spec"]["ports"]}
+    gateway = one(objects, "HorizontalPodAutoscaler", "gateway")["spec"]
+    # In flight per pod, next to CPU: the HPA follows whichever asks for more pods.
+    assert gateway["metrics"][1] == {
+        "type": "Pods",
+        "pods": {
+            "metric": {"name": "kubesgl_gateway_requests_in_flight"},
+            "target": {"type": "AverageValue", "averageValue": "64"},
+        },
     }
-    assert covered >= {"gateway", "tokenizer", "detokenizer", "scheduler", "nats"}
-    pod_monitor = next(o for o in objects if o["kind"] == "PodMonitor")["spec"]
-    assert {e["port"] for e in pod_monitor["podMetricsEndpoints"]} >= {"http", "admin"}
+    assert gateway["behavior"] == {"scaleDown": {"stabilizationWindowSeconds": 300}}
+    tokenizer = one(objects, "HorizontalPodAutoscaler", "tokenizer")["spec"]
+    assert [m["type"] for m in tokenizer["metrics"]] == ["Resource"] and "behavior" not in tokenizer
+
+
+def _matches(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def scrape_targets(objects: list[dict[str, Any]]) -> dict[tuple[str, int], list[str]]:
+    """(pod template, container port) -> every scrape that reaches it: pod annotations, ServiceMonitor
+    endpoints (through the Services it selects) and PodMonitor endpoints."""
+    pods = []  # (template name, labels, annotations, {port name: number})
+    for o in objects:
+        templates = []
+        if o["kind"] in ("Deployment", "StatefulSet"):
+            templates = [(o["metadata"]["name"], o["spec"]["template"])]
+        elif o["kind"] == "LeaderWorkerSet":
+            lwt = o["spec"]["leaderWorkerTemplate"]
+            templates = [(f"{o['metadata']['name']}/{r}", lwt[f"{r}Template"]) for r in ("leader", "worker")]
+        for name, template in templates:
+            ports = {
+                p["name"]: p["containerPort"]
+                for c in template["spec"]["containers"]
+                for p in c.get("ports", [])
+            }
+            meta = template["metadata"]
+            pods.append((name, meta["labels"], meta.get("annotations", {}), ports))
+    seen: dict[tuple[str, int], list[str]] = {}
+    for name, _, pod_annotations, _ in pods:
+        if pod_annotations.get("prometheus.io/scrape") == "true":
+            seen.setdefault((name, int(pod_annotations["prometheus.io/port"])), []).append("annotations")
+    for monitor in (o for o in objects if o["kind"] == "ServiceMonitor"):
+        wanted = {e["port"] for e in monitor["spec"]["endpoints"]}
+        for svc in (o for o in objects if o["kind"] == "Service"):
+            if not _matches(monitor["spec"]["selector"]["matchLabels"], svc["metadata"]["labels"]):
+                continue
+            for port in (p for p in svc["spec"]["ports"] if p["name"] in wanted):
+                for name, labels, _, ports in pods:
+                    if _matches(svc["spec"]["selector"], labels) and port["targetPort"] in ports:
+                        seen.setdefault((name, ports[port["targetPort"]]), []).append(
+                            f"ServiceMonitor/{svc['metadata']['name']}"
+                        )
+    for monitor in (o for o in objects if o["kind"] == "PodMonitor"):
+        for endpoint in monitor["spec"]["podMetricsEndpoints"]:
+            for name, labels, _, ports in pods:
+                if _matches(monitor["spec"]["selector"]["matchLabels"], labels) and endpoint["port"] in ports:
+                    seen.setdefault((name, ports[endpoint["port"]]), []).append("PodMonitor")
+    return seen
+
+
+@pytest.mark.parametrize("value_set", sorted(VALUE_SETS))
+def test_each_target_is_scraped_once(value_set: str) -> None:
+    """Whatever the values, no pod port is scraped twice (a double scrape doubles every sum: KEDA would add
+    instances for requests nobody queued), and when scraping is on every metrics port is scraped."""
+    objects = render(VALUE_SETS[value_set])
+    seen = scrape_targets(objects)
+    assert {t: s for t, s in seen.items() if len(s) > 1} == {}
+    metrics_ports = {
+        (name, port)
+        for o in objects
+        if o["kind"] in ("Deployment", "StatefulSet")
+        for name, port in [
+            (o["metadata"]["name"], p["containerPort"])
+            for c in o["spec"]["template"]["spec"]["containers"]
+            for p in c.get("ports", [])
+            if p["name"] in ("http", "admin", "metrics")
+        ]
+    } | {
+        (f"{o['metadata']['name']}/leader", p["containerPort"])
+        for o in objects
+        if o["kind"] == "LeaderWorkerSet"
+        for c in o["spec"]["leaderWorkerTemplate"]["leaderTemplate"]["spec"]["containers"]
+        for p in c.get("ports", [])
+        if p["name"] == "admin"
+    }
+    assert set(seen) == metrics_ports
+    # Worker pods of a multi-node instance serve no metrics (rank 0 counts for the whole instance).
+    assert not [t for t in seen if t[0].endswith("/worker")]
+
+
+def test_both_monitors_are_refused() -> None:
+    both = {"metrics": {"serviceMonitor": {"enabled": True}, "podMonitor": {"enabled": True}}}
+    with pytest.raises(helm_python.HelmError, match="would scrape every pod twice"):
+        render(both)
+    # With a monitor on, the pods carry no scrape annotations a second (annotation-based) job would follow.
+    for monitor in ("serviceMonitor", "podMonitor"):
+        objects = render({"metrics": {monitor: {"enabled": True}}})
+        for o in objects:
+            if o["kind"] in ("Deployment", "StatefulSet"):
+                assert "prometheus.io/scrape" not in o["spec"]["template"]["metadata"].get("annotations", {})
 
 
 def test_model_sources() -> None:

@@ -165,6 +165,67 @@ BAD_VALUES: dict[str, tuple[dict[str, Any], str]] = {
         {"gateway": {"tokenizeAttemptTimeoutSeconds": "5s"}},
         "tokenizeAttemptTimeoutSeconds",
     ),
+    "more GPUs per node than a node has": ({"scheduler": {"tp": 16}}, "tp"),
+    "tp not a multiple of the nodes": ({"scheduler": {"nodes": 4, "tp": 2}}, "tp"),
+    "more than 8 GPUs per node over nodes": ({"scheduler": {"nodes": 2, "tp": 32}}, "tp"),
+    "three nodes": ({"scheduler": {"nodes": 3, "tp": 3}}, "nodes"),
+    "CPU ranks per pod other than one": (
+        {"scheduler": {"device": "cpu", "nodes": 2, "tp": 4}, "model": {"source": "demo"}},
+        "tp",
+    ),
+    "rendezvous port below 1024": ({"scheduler": {"distInitPort": 80}}, "distInitPort"),
+    "negative rollout partition": ({"scheduler": {"rollout": {"partition": -1}}}, "partition"),
+    "scale to zero": (
+        {
+            "scheduler": {
+                "autoscaling": {"enabled": True, "prometheusAddress": "http://p:9090", "minReplicas": 0}
+            }
+        },
+        "minReplicas",
+    ),
+    "unknown KEDA fallback behaviour": (
+        {"scheduler": {"autoscaling": {"fallback": {"enabled": True, "behavior": "guess"}}}},
+        "behavior",
+    ),
+    "HPA policy of an unknown type": (
+        {
+            "gateway": {
+                "autoscaling": {
+                    "behavior": {
+                        "scaleUp": {"policies": [{"type": "Nodes", "value": 1, "periodSeconds": 60}]}
+                    }
+                }
+            }
+        },
+        "type",
+    ),
+    "HPA policy period above 30 min": (
+        {
+            "scheduler": {
+                "autoscaling": {
+                    "behavior": {
+                        "scaleDown": {"policies": [{"type": "Pods", "value": 1, "periodSeconds": 3600}]}
+                    }
+                }
+            }
+        },
+        "periodSeconds",
+    ),
+    "in-flight target of zero": (
+        {"gateway": {"autoscaling": {"targetInFlightPerReplica": 0}}},
+        "targetInFlightPerReplica",
+    ),
+    "error ratio above 1": ({"metrics": {"prometheusRule": {"thresholds": {"errorRatio": 5}}}}, "errorRatio"),
+    "alert duration without a unit": ({"metrics": {"prometheusRule": {"for": {"ttft": "10"}}}}, "ttft"),
+    "runbook URL with an anchor": (
+        {"metrics": {"prometheusRule": {"runbookBaseUrl": "https://x/runbook.md#top"}}},
+        "runbookBaseUrl",
+    ),
+    "unknown NATS anti-affinity": ({"nats": {"bundled": {"podAntiAffinity": "always"}}}, "podAntiAffinity"),
+    "NATS PDB of zero": (
+        {"nats": {"bundled": {"pdb": {"enabled": True, "maxUnavailable": 0}}}},
+        "maxUnavailable",
+    ),
     "negative per-key limit": ({"gateway": {"maxConcurrentPerKey": -1}}, "maxConcurrentPerKey"),
     "fractional per-key limit": ({"gateway": {"maxConcurrentPerKey": 2.5}}, "maxConcurrentPerKey"),
 }

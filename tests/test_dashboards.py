@@ -19,6 +19,20 @@ REQUIRED = {
     "tokenizer latency": "kubesgl_tokenizer_request_duration_seconds_bucket",
     "detokenizer latency": "kubesgl_detokenizer_request_duration_seconds_bucket",
     "NATS round trip": "kubesgl_nats_request_duration_seconds_bucket",
+    # The cache-aware router's six metrics.
+    "routing decisions by outcome": "kubesgl_router_decisions_total",
+    "routing decision time": "kubesgl_router_decision_duration_seconds_bucket",
+    "prefix overlap": "kubesgl_router_prefix_overlap_ratio_bucket",
+    "index blocks per instance": "kubesgl_router_index_blocks",
+    "index size": "kubesgl_router_index_size",
+    "KV snapshots": "kubesgl_router_kv_snapshots_total",
+    # SGLang's capacity and start-up gauges.
+    "KV capacity": "sglang:max_total_num_tokens",
+    "KV tokens used": "sglang:num_used_tokens",
+    "preemptions (SGLang gauge)": "sglang:num_retracted_reqs",
+    "preemptions (counter)": "sglang:num_retracted_requests_total",
+    "engine start-up time": "sglang:engine_startup_time",
+    "weight load time": "sglang:engine_load_weights_time",
 }
 
 

@@ -268,3 +268,38 @@ def test_render_serves_prometheus_text_with_process_metrics() -> None:
     text = body.decode()
     assert 'sglang:num_running_reqs{model_name="qwen3-tiny"} 0.0' in text
     assert "process_resident_memory_bytes" in text
+
+
+def test_capacity_and_startup_gauges_under_sglang_names() -> None:
+    registry = CollectorRegistry()
+    m = SchedulerMetrics(
+        registry, "qwen3-tiny", 16, 100, clock=FakeClock(), startup_s=42.5, load_weights_s=30.25
+    )
+    assert registry.get_sample_value("sglang:max_total_num_tokens", MODEL) == 1600
+    assert registry.get_sample_value("sglang:engine_startup_time", MODEL) == 42.5
+    assert registry.get_sample_value("sglang:engine_load_weights_time", MODEL) == 30.25
+    # Used tokens: pages held by running requests (evictable prefix cache is available, not used).
+    m.on_step(stats(available=75, total=100))
+    assert registry.get_sample_value("sglang:num_used_tokens", MODEL) == 25 * 16
+
+
+def test_retractions_count_once_and_the_gauge_covers_the_last_window() -> None:
+    clock = FakeClock()
+    registry, m = scheduler(clock)
+
+    def step(retracted_total: int) -> None:
+        s = stats()
+        s.retracted_total = retracted_total
+        m.on_step(s)
+
+    step(3)
+    step(3)  # the same total again: nothing new
+    assert registry.get_sample_value("sglang:num_retracted_requests_total", MODEL) == 3
+    clock.now += 1.5
+    step(5)
+    assert registry.get_sample_value("sglang:num_retracted_requests_total", MODEL) == 5
+    # SGLang's gauge: retracted since the last window.
+    assert registry.get_sample_value("sglang:num_retracted_reqs", MODEL) == 5
+    clock.now += 1.5
+    step(5)
+    assert registry.get_sample_value("sglang:num_retracted_reqs", MODEL) == 0

@@ -13,13 +13,19 @@ class TPGroup:
     """This rank's place in its tensor-parallel group.
 
     `group` carries tensors (NCCL on GPU, gloo on CPU); `cpu_group` carries control messages (gloo).
-    With size 1 every collective is the identity and no process group exists.
+    With size 1 every collective is the identity and no process group exists. Ranks may span nodes
+    (EngineConfig.nnodes): `rank` is global, `local_rank` picks the GPU on this node.
     """
 
     rank: int = 0
     size: int = 1
     group: dist.ProcessGroup | None = None
     cpu_group: dist.ProcessGroup | None = None
+    local_rank: int | None = None  # this rank's device on its node (multi-node TP); None: the same as rank
+
+    @property
+    def device_index(self) -> int:
+        return self.rank if self.local_rank is None else self.local_rank
 
     @property
     def is_driver(self) -> bool:

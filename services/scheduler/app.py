@@ -1,17 +1,20 @@
 """`kubesgl scheduler`: flags and process entry of one scheduler instance (rank 0; TP ranks are spawned by
-the Engine)."""
+the Engine), or, with --node-rank > 0, of one more node's TP ranks of a multi-node instance."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
+import signal
 import socket
 
 from kubesgl.bus_service import add_service_arguments, run_bus_service
 from kubesgl.engine.config import EngineConfig
-from kubesgl.engine.engine import Engine
+from kubesgl.engine.engine import Engine, local_ranks, run_node_ranks
 from kubesgl.engine.types import ModelInfo
+from kubesgl.lifecycle import configure_logging
 from kubesgl.services.scheduler.engine_loop import EngineLoop
 from kubesgl.services.scheduler.service import SchedulerService
 from kubesgl.telemetry.metrics import SchedulerMetrics, new_registry
@@ -21,6 +24,7 @@ from kubesgl.telemetry.tracing import Tracing
 from nats.aio.client import Client
 
 _DEFAULTS = EngineConfig(model_path="")
+log = logging.getLogger("kubesgl.scheduler")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -77,6 +81,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds between the one-line stats log (running, queued, token usage, cache hit rate, gen "
         "tok/s) while busy; silent while idle; 0 = off",
     )
+    # Multi-node tensor parallelism, SGLang's flags: node 0 runs rank 0 (and serves NATS); the others run only
+    # their ranks, executing rank 0's plans (gloo carries control, NCCL tensors on GPU).
+    parser.add_argument("--nnodes", type=_positive_int, default=d.nnodes, help="nodes the TP ranks span")
+    parser.add_argument("--node-rank", type=_non_negative_int, default=d.node_rank, help="this node's index")
+    parser.add_argument(
+        "--dist-init-addr",
+        default=d.dist_init_addr,
+        help="host:port of node 0's torch.distributed rendezvous (required with --nnodes > 1)",
+    )
     add_service_arguments(parser, drain_timeout_s=30.0)
 
 
@@ -117,18 +130,50 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         disable_overlap=args.disable_overlap,
         seed=args.seed,
         kv_event_block_size=args.kv_event_block_size if args.cache == "radix" else 0,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        dist_init_addr=args.dist_init_addr,
     )
+
+
+def run_worker_node(config: EngineConfig, log_level: str) -> int:
+    """Node 1..nnodes-1: no NATS, no admin port; its ranks run until rank 0 ends the group. SIGTERM is only
+    logged: the pods of a group stop together, and these ranks must keep executing while rank 0 drains its
+    requests (Kubernetes kills them after the grace period)."""
+    configure_logging(log_level)
+    signal.signal(
+        signal.SIGTERM,
+        lambda *_: log.info("SIGTERM: node %d keeps its ranks until rank 0 shuts down", config.node_rank),
+    )
+    log.info(
+        "node %d/%d: ranks %s of %d, rendezvous at %s",
+        config.node_rank,
+        config.nnodes,
+        list(local_ranks(config)),
+        config.tp_size,
+        config.dist_init_addr,
+    )
+    return run_node_ranks(config)
 
 
 def main(args: argparse.Namespace) -> int:
     config = engine_config(args)
+    if config.node_rank > 0:
+        return run_worker_node(config, args.log_level)
     instance_id = args.instance_id or socket.gethostname()
     model = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     registry = new_registry()
     tracing = Tracing("kubesgl-scheduler")
 
     def make_telemetry(info: ModelInfo) -> SchedulerTelemetry:
-        metrics = SchedulerMetrics(registry, model, info.page_size, info.num_pages)
+        metrics = SchedulerMetrics(
+            registry,
+            model,
+            info.page_size,
+            info.num_pages,
+            startup_s=info.startup_s,
+            load_weights_s=info.load_weights_s,
+        )
         stats_log = StatsLog(args.stats_log_interval, info.page_size)
         return SchedulerTelemetry(metrics, tracing, instance_id, model, stats_log=stats_log)
 

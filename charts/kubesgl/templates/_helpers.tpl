@@ -77,6 +77,23 @@ kubesgl.io/nats-client: "true"
 {{- end -}}
 {{- end -}}
 
+{{/* Names of the scheduler pods that serve /metrics: a StatefulSet's pods, or a LeaderWorkerSet's leaders
+(<name>-<group>; its workers, <name>-<group>-<index>, serve no metrics). */}}
+{{- define "kubesgl.schedulerPodPattern" -}}
+{{- printf "%s-[0-9]+" (include "kubesgl.componentName" (dict "root" . "component" "scheduler")) -}}
+{{- end -}}
+
+{{/* The scheduler workload's apiVersion and kind, as YAML. */}}
+{{- define "kubesgl.schedulerWorkload" -}}
+{{- if gt (int .Values.scheduler.nodes) 1 -}}
+apiVersion: leaderworkerset.x-k8s.io/v1
+kind: LeaderWorkerSet
+{{- else -}}
+apiVersion: apps/v1
+kind: StatefulSet
+{{- end -}}
+{{- end -}}
+
 {{/* Model name clients use. */}}
 {{- define "kubesgl.servedModelName" -}}
 {{- if .Values.model.servedName -}}
@@ -327,9 +344,20 @@ the demo model built with torch (so it runs in the CPU-scheduler image). (dict "
       mountPath: /cache
 {{- end -}}
 
+{{/* How Prometheus finds the pods: "serviceMonitor", "podMonitor", "annotations" or "none". One way only, so no
+pod is scraped twice (validate.yaml refuses both monitors): annotations are left off when a monitor is on. */}}
+{{- define "kubesgl.scrapeBy" -}}
+{{- $m := .Values.metrics -}}
+{{- if $m.serviceMonitor.enabled -}}serviceMonitor
+{{- else if $m.podMonitor.enabled -}}podMonitor
+{{- else if $m.podAnnotations -}}annotations
+{{- else -}}none
+{{- end -}}
+{{- end -}}
+
 {{/* Prometheus scrape annotations: (dict "root" $ "port" 9000). */}}
 {{- define "kubesgl.scrapeAnnotations" -}}
-{{- if .root.Values.metrics.podAnnotations }}
+{{- if eq (include "kubesgl.scrapeBy" .root) "annotations" }}
 prometheus.io/scrape: "true"
 prometheus.io/port: {{ .port | quote }}
 prometheus.io/path: /metrics
@@ -353,7 +381,9 @@ livenessProbe:
   failureThreshold: 6
 {{- end -}}
 
-{{/* CPU-utilisation HPA for a Deployment component: (dict "root" $ "component" "gateway" "autoscaling" ...). */}}
+{{/* HPA for a Deployment component on CPU utilisation, plus the gateway's in-flight requests per pod when
+autoscaling.targetInFlightPerReplica is set (read from the custom metrics API, e.g. prometheus-adapter; the HPA
+follows whichever metric asks for more pods): (dict "root" $ "component" "gateway" "autoscaling" ...). */}}
 {{- define "kubesgl.hpa" -}}
 {{- if .autoscaling.enabled }}
 apiVersion: autoscaling/v2
@@ -376,6 +406,19 @@ spec:
         target:
           type: Utilization
           averageUtilization: {{ .autoscaling.targetCPUUtilizationPercentage }}
+    {{- with .autoscaling.targetInFlightPerReplica }}
+    - type: Pods
+      pods:
+        metric:
+          name: kubesgl_gateway_requests_in_flight
+        target:
+          type: AverageValue
+          averageValue: {{ . | quote }}
+    {{- end }}
+  {{- with .autoscaling.behavior }}
+  behavior:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
 {{- end }}
 {{- end -}}
 

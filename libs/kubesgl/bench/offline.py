@@ -202,7 +202,7 @@ def main(args: argparse.Namespace) -> int:
         "ceiling_seconds": round(ideal, 3),
         "ceiling_tok_s": round(out_tokens / ideal, 1) if ideal == ideal else None,
         "ratio_to_ceiling": round(ideal / dt, 3) if ideal == ideal else None,
-        "preemptions": llm.engine.stats().extra.get("num_preemptions"),
+        "preemptions": llm.engine.stats().retracted_total,
     }
     llm.shutdown()
     if args.hf_baseline:

@@ -25,4 +25,9 @@ class EngineConfig:
     dummy_weight: bool = False
     seed: int = 0  # engine RNG for requests without a seed
     dist_port: int = 0  # torch.distributed rendezvous port for tp_size > 1 (0 = pick a free one)
+    # Multi-node TP (SGLang's --nnodes/--node-rank/--dist-init-addr): tp_size ranks over nnodes nodes, tp_size //
+    # nnodes per node; node 0 runs rank 0 (the engine) and meets the others at dist_init_addr ("host:port").
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str = ""
     kv_event_block_size: int = 0  # > 0: record prefix-cache KV events in blocks of this many tokens (routing)

@@ -10,6 +10,7 @@ import datetime
 import logging
 import os
 import socket
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -52,8 +53,25 @@ def _validate(config: EngineConfig) -> None:
     for ok, why in checks:
         if not ok:
             raise InvalidRequestError(why)
-    if config.device == "cuda" and torch.cuda.device_count() < config.tp_size:
-        raise InvalidRequestError(f"tp_size {config.tp_size} needs {config.tp_size} GPUs")
+    nodes = [
+        (config.nnodes >= 1 and config.tp_size % config.nnodes == 0, "tp_size must be a multiple of nnodes"),
+        (0 <= config.node_rank < config.nnodes, "node_rank must be in [0, nnodes)"),
+        (config.nnodes == 1 or ":" in config.dist_init_addr, "nnodes > 1 needs dist_init_addr host:port"),
+    ]
+    for ok, why in nodes:
+        if not ok:
+            raise InvalidRequestError(why)
+    local = local_ranks(config)
+    if config.device == "cuda" and torch.cuda.device_count() < len(local):
+        raise InvalidRequestError(
+            f"tp_size {config.tp_size} over {config.nnodes} node(s) needs {len(local)} GPUs"
+        )
+
+
+def local_ranks(config: EngineConfig) -> range:
+    """The global TP ranks this node runs: tp_size // nnodes consecutive ones, node 0 first."""
+    per_node = config.tp_size // max(config.nnodes, 1)
+    return range(config.node_rank * per_node, (config.node_rank + 1) * per_node)
 
 
 def _free_port() -> int:
@@ -66,18 +84,21 @@ def _init_tp(rank: int, config: EngineConfig, port: int) -> TPGroup:
     if config.tp_size == 1:
         return TPGroup()
     backend = "nccl" if config.device == "cuda" else "gloo"
+    local_rank = rank - local_ranks(config).start
     if config.device == "cuda":
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(local_rank)
+    # One node: a loopback port; several: rank 0's node at dist_init_addr (its TCPStore listens there).
+    address = config.dist_init_addr if config.nnodes > 1 else f"127.0.0.1:{port}"
     dist.init_process_group(
         backend,
-        init_method=f"tcp://127.0.0.1:{port}",
+        init_method=f"tcp://{address}",
         rank=rank,
         world_size=config.tp_size,
         timeout=_DIST_TIMEOUT,
     )
     group = dist.group.WORLD
     cpu_group = dist.new_group(backend="gloo", timeout=_DIST_TIMEOUT) if backend != "gloo" else group
-    return TPGroup(rank, config.tp_size, group, cpu_group)
+    return TPGroup(rank, config.tp_size, group, cpu_group, local_rank)
 
 
 def _worker_main(rank: int, config: EngineConfig, port: int) -> None:
@@ -94,6 +115,34 @@ def _worker_main(rank: int, config: EngineConfig, port: int) -> None:
         dist.destroy_process_group()
 
 
+def _spawn_ranks(ranks: range, config: EngineConfig, port: int) -> list[BaseProcess]:
+    ctx = mp.get_context("spawn")
+    workers = []
+    for rank in ranks:
+        p = ctx.Process(target=_worker_main, args=(rank, config, port), daemon=True)
+        p.start()
+        workers.append(p)
+    return workers
+
+
+def run_node_ranks(config: EngineConfig) -> int:
+    """A node other than 0 (node_rank > 0): runs its ranks, which execute rank 0's plans, until rank 0 shuts
+    the group down (exit 0) or the group breaks (a rank or node died: non-zero, so the pod restarts)."""
+    if config.node_rank == 0:
+        raise InvalidRequestError("node 0 runs the engine (Engine), not run_node_ranks")
+    _validate(config)
+    ranks = local_ranks(config)
+    workers = _spawn_ranks(ranks[1:], config, 0)
+    try:
+        _worker_main(ranks.start, config, 0)
+    finally:
+        for p in workers:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    return max([0, *(abs(p.exitcode or 0) for p in workers)])
+
+
 def overlap_enabled(config: EngineConfig) -> bool:
     off = os.environ.get(
         "KUBESGL_DISABLE_OVERLAP_SCHEDULING", os.environ.get("MINISGL_DISABLE_OVERLAP_SCHEDULING")
@@ -103,16 +152,14 @@ def overlap_enabled(config: EngineConfig) -> bool:
 
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
+        started = time.perf_counter()
         _validate(config)
+        if config.node_rank != 0:
+            raise InvalidRequestError("only node 0 runs the engine; other nodes use run_node_ranks")
         self.config = config
-        self._workers: list[BaseProcess] = []
         port = config.dist_port or _free_port()
-        if config.tp_size > 1:
-            ctx = mp.get_context("spawn")
-            for rank in range(1, config.tp_size):
-                p = ctx.Process(target=_worker_main, args=(rank, config, port), daemon=True)
-                p.start()
-                self._workers.append(p)
+        # This node's other ranks; the other nodes start theirs themselves (run_node_ranks).
+        self._workers: list[BaseProcess] = _spawn_ranks(local_ranks(config)[1:], config, port)
         self.tp = _init_tp(0, config, port)
         try:
             self.runner = ModelRunner(config, self.tp)
@@ -154,6 +201,8 @@ class Engine:
             eos_token_ids=tuple(r.model.eos_token_ids),
             page_size=config.page_size,
             num_pages=self.pool.capacity,
+            load_weights_s=r.load_weights_s,
+            startup_s=time.perf_counter() - started,
         )
 
     # -- the driver's interface ---------------------------------------------------------------------
@@ -222,7 +271,7 @@ class Engine:
             prompt_tokens_total=s.prompt_tokens_total,
             cached_tokens_total=s.cached_tokens_total,
             generation_tokens_total=s.generation_tokens_total,
-            extra={"num_preemptions": float(s.num_preemptions)},
+            retracted_total=s.num_preemptions,
         )
 
     def shutdown(self) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -83,9 +84,10 @@ class ModelRunner:
 
         self.config = config
         self.tp = tp
-        self.device = torch.device(config.device if config.device != "cuda" else f"cuda:{tp.rank}")
+        self.device = torch.device(config.device if config.device != "cuda" else f"cuda:{tp.device_index}")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        started = time.perf_counter()
         self.model = load_model(
             config.model_path,
             tp=tp,
@@ -93,6 +95,7 @@ class ModelRunner:
             dtype=resolve_dtype(config.dtype, self.device.type),
             dummy=config.dummy_weight,
         )
+        self.load_weights_s = time.perf_counter() - started  # sglang:engine_load_weights_time
         m = self.model
         self.context_len = config.max_seq_len_override or m.context_len
         self.page_size = config.page_size

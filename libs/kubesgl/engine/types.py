@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,10 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...]
     page_size: int
     num_pages: int
+    load_weights_s: float = 0.0  # reading the checkpoint onto the device (sglang:engine_load_weights_time)
+    startup_s: float = (
+        0.0  # the engine's whole start: ranks, weights, KV pool, CUDA graphs (sglang:engine_startup_time)
+    )
 
 
 @dataclass
@@ -49,7 +53,7 @@ class EngineStats:
     prompt_tokens_total: int = 0
     cached_tokens_total: int = 0
     generation_tokens_total: int = 0
-    extra: dict[str, float] = field(default_factory=dict)
+    retracted_total: int = 0  # requests preempted (retracted) to free KV pages for others, since start
 
     @property
     def token_usage(self) -> float:

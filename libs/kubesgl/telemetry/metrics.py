@@ -84,6 +84,8 @@ class SchedulerMetrics:
         num_pages: int,
         window_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
+        startup_s: float = 0.0,
+        load_weights_s: float = 0.0,
     ) -> None:
         label = {"model_name": model_name}
         names = ["model_name"]
@@ -109,6 +111,24 @@ class SchedulerMetrics:
             registry=registry,
         )
         info.labels(model_name=model_name, page_size=str(page_size), num_pages=str(num_pages)).set(1)
+        # Capacity and start-up, as SGLang names them: set once, from what this engine really measured.
+        self._page_size = page_size
+        self.max_total_num_tokens = gauge(
+            "sglang:max_total_num_tokens", "Maximum total number of tokens in the KV cache pool."
+        )
+        self.max_total_num_tokens.set(num_pages * page_size)
+        self.num_used_tokens = gauge("sglang:num_used_tokens", "The number of used tokens.")
+        gauge("sglang:engine_startup_time", "The time taken for the engine to start up.").set(startup_s)
+        gauge("sglang:engine_load_weights_time", "The time taken for the engine to load weights.").set(
+            load_weights_s
+        )
+        # Preemptions: SGLang's gauge (retracted since the previous window) and its counter.
+        self.num_retracted_reqs = gauge("sglang:num_retracted_reqs", "The number of retracted requests.")
+        self.num_retracted_requests = counter(
+            "sglang:num_retracted_requests_total", "Number of retracted (preempted) requests."
+        )
+        self._retracted_seen = 0
+        self._retracted_window = 0
         self.prompt_tokens = counter("sglang:prompt_tokens_total", "Number of prefill tokens processed.")
         self.generation_tokens = counter(
             "sglang:generation_tokens_total", "Number of generation tokens processed."
@@ -169,13 +189,22 @@ class SchedulerMetrics:
         self.num_running_reqs.set(stats.num_running)
         self.num_queue_reqs.set(stats.num_queued)
         self.token_usage.set(stats.token_usage)
+        self.num_used_tokens.set((stats.total_pages - stats.available_pages) * self._page_size)
         now = self._clock()
         with self._lock:
+            if stats.retracted_total > self._retracted_seen:
+                self.num_retracted_requests.inc(stats.retracted_total - self._retracted_seen)
+                self._retracted_seen = stats.retracted_total
             elapsed = now - self._window_start
             if elapsed < self._window_s:
                 return
             delta = self._totals.minus(self._window_totals)
             self._window_start, self._window_totals = now, self._totals.copy()
+            retracted, self._retracted_window = (
+                self._retracted_seen - self._retracted_window,
+                self._retracted_seen,
+            )
+        self.num_retracted_reqs.set(retracted)
         self.gen_throughput.set(delta.generated / elapsed)
         # Like SGLang, the rate of the latest prefills; kept as is while nothing is prefilled.
         if delta.prompt > 0:
