@@ -13,7 +13,7 @@ import asyncio
 import json
 import signal
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +28,7 @@ MODEL = "demo"
 BUDGET_S = 0.5  # issue 15: answered within 0.5 s of the deadline
 # Long enough that admission (tokenize + schedule) surely happens before the deadline on a busy 2-core box,
 # so the phase under test is the one the deadline strikes in.
-TIMEOUT_S = 1.5
+TIMEOUT_S = 2.0
 # Pages must be back well before the scheduler's own expiry (deadline + 2 s grace, checked every 1 s):
 # then it was the gateway's abort that freed them.
 FREED_WITHIN_S = 1.5
@@ -75,6 +75,18 @@ async def _assert_freed(stack: Stack, baseline: int, since: float) -> None:
         if settled:
             return
         assert time.monotonic() - since < FREED_WITHIN_S, f"not freed after the deadline: {s}"
+        await asyncio.sleep(0.05)
+
+
+async def _seen(
+    stack: Stack, task: asyncio.Task[Any], phase: Callable[[SchedulerStats], bool]
+) -> SchedulerStats:
+    """Polls the scheduler until `phase` holds (the request reached the phase under test) or the answer came;
+    returns the last stats seen."""
+    while True:
+        s = await _stats(stack)
+        if phase(s) or task.done():
+            return s
         await asyncio.sleep(0.05)
 
 
@@ -135,8 +147,7 @@ async def http(mesh: Stack) -> AsyncIterator[httpx.AsyncClient]:
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 async def test_deadline_mid_stream(mesh, baseline, http, stream) -> None:
     task = asyncio.create_task(_timed(http, stream))
-    await asyncio.sleep(TIMEOUT_S / 2)
-    during = await _stats(mesh)
+    during = await _seen(mesh, task, lambda s: s.running == 1)
     answer = await task
     ended = time.monotonic()
     assert during.running == 1, f"the request was not generating: {during}"
@@ -154,14 +165,16 @@ async def test_deadline_while_queued_behind_a_running_request(mesh, baseline, ht
         other.stream("POST", "/v1/chat/completions", json=_body(True)) as blocker,
     ):
         assert blocker.status_code == 200
-        async for line in blocker.aiter_lines():
+        # Held in a name: a line iterator dropped after `break` is closed, and with it the blocker's stream.
+        lines = blocker.aiter_lines()
+        async for line in lines:
             if line.startswith("data: "):
                 break  # it runs: the one slot is taken
         task = asyncio.create_task(_timed(http, stream))
-        await asyncio.sleep(TIMEOUT_S / 2)
-        during = await _stats(mesh)
+        during = await _seen(mesh, task, lambda s: s.queued == 1)
         answer = await task
         ended = time.monotonic()
+        assert not blocker.is_closed, "the blocker left early: the request was not queued behind it"
     # Leaving the blocker's stream disconnects it; the gateway aborts it too.
     assert (during.running, during.queued) == (1, 1), f"the request was not queued: {during}"
     _check(answer, TIMEOUT_S, f"queued ({'sse' if stream else 'json'})")
