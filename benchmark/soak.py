@@ -45,8 +45,9 @@ from kubesgl.launcher import Stack, StackConfig
 from kubesgl.models.random_init import DEMO, resolve_demo
 from kubesgl.protocol import SchedulerStats, stats_subject
 
-# The load generators' prompt vocabulary (loadtest/workload.py; it is no package).
+# The load generators' prompt vocabulary and SSE reader (loadtest/; it is no package).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "loadtest"))
+from sse_timing import StreamTimer  # noqa: E402
 from workload import prompt_text  # noqa: E402
 
 KINDS = ("completed", "failed_clearly", "disconnected", "hung", "lost")
@@ -299,47 +300,40 @@ class Soak:
         return self._outcome(name, "completed", started, 200)
 
     async def _stream(self, http: httpx.AsyncClient, name: str, req: Request, started: float) -> Outcome:
-        events, finish, error, done = 0, None, None, False
+        timer = StreamTimer(started)
         async with http.stream("POST", req.path, json=req.body, headers=req.headers, timeout=None) as r:
             if r.status_code != 200:
                 return self._refusal(name, req, started, r.status_code, await r.aread())
             async for line in r.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                if line == "data: [DONE]":
-                    done = True
+                timer.on_line(line, time.monotonic())
+                if timer.done:
                     break
-                event = json.loads(line[6:])
-                if "error" in event:
-                    error = event["error"]
-                    continue
-                events += 1
-                for choice in event.get("choices") or ():
-                    finish = choice.get("finish_reason") or finish
-                if req.leave_after_chunks and events >= req.leave_after_chunks:
+                if req.leave_after_chunks and timer.chunks >= req.leave_after_chunks:
                     return self._outcome(name, "disconnected", started, 200)
-        if error is not None and done and error.get("message"):
-            status = _STATUS_OF_TYPE.get(error.get("type"), 400)
-            return self._failure(name, req, started, status, error.get("type"))
-        if not done or finish is None:
-            return self._outcome(name, "lost", started, 200, detail=f"stream ended early (done={done})")
+        if timer.error_type is not None and timer.done:  # an SSE error event, then [DONE]: a clear failure
+            status = _STATUS_OF_TYPE.get(timer.error_type, 400)
+            return self._failure(name, req, started, status, timer.error_type, timer.error or "")
+        if (why := timer.failure()) is not None:
+            return self._outcome(name, "lost", started, 200, detail=why)
         return self._outcome(name, "completed", started, 200)
 
     def _refusal(self, name: str, req: Request, started: float, status: int, raw: bytes) -> Outcome:
         try:
             error = json.loads(raw)["error"]
             if error["message"] and error["type"]:
-                return self._failure(name, req, started, status, error["type"])
+                return self._failure(name, req, started, status, error["type"], error["message"])
         except (ValueError, KeyError, TypeError):
             pass
         return self._outcome(name, "lost", started, status, detail=f"no OpenAI error body: {raw[:200]!r}")
 
     def _failure(
-        self, name: str, req: Request, started: float, status: int, error_type: str | None
+        self, name: str, req: Request, started: float, status: int, error_type: str | None, message: str
     ) -> Outcome:
+        """A clear failure; its message (the server's words, never the prompt) goes in `detail`."""
         late = (time.monotonic() - started - req.deadline_s) if req.deadline_s and status == 504 else None
+        expected = status in req.expect
         return self._outcome(
-            name, "failed_clearly", started, status, error_type, expected=status in req.expect, late_s=late
+            name, "failed_clearly", started, status, error_type, expected, late, detail=message[:200]
         )
 
     def _outcome(
@@ -501,18 +495,18 @@ def ok(summary: dict[str, Any]) -> bool:
     return summary["hung"] == 0 and summary["lost"] == 0 and summary["pool"]["back_to_baseline"]
 
 
-def run_soak(stack: Stack, duration_s: float, out: TextIO, **options: Any) -> dict[str, Any]:
+def run_soak(
+    stack: Stack,
+    duration_s: float,
+    out: TextIO,
+    clients: int = 6,
+    seed: int = 0,
+    sample_every_s: float = 10.0,
+    request_timeout_s: float = 120.0,
+    deadline_margin_s: float = 5.0,
+) -> dict[str, Any]:
     """Drives an already started stack; returns the summary (also written to `out` as its last line)."""
-    soak = Soak(
-        stack,
-        duration_s,
-        options.get("clients", 6),
-        options.get("seed", 0),
-        out,
-        options.get("sample_every_s", 10.0),
-        options.get("request_timeout_s", 120.0),
-        options.get("deadline_margin_s", 5.0),
-    )
+    soak = Soak(stack, duration_s, clients, seed, out, sample_every_s, request_timeout_s, deadline_margin_s)
     return asyncio.run(soak.run())
 
 

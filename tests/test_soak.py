@@ -1,8 +1,8 @@
 """benchmark/soak.py, short: 15 s of its mixed load (about 20 with the requests in flight at the end) (every scenario at least once: chat and completions,
 streamed or not, n=2, stop strings, logprobs, long and shared-prefix prompts, invalid bodies, disconnects,
 given-up JSON requests, expired deadlines) against a live stack. Its counts add up, nothing hung or was lost,
-every failure was one the scenario asked for, every service was sampled, and the page pool is back to its
-baseline. The soak's own figures (5 and 15 minutes) are in docs/reliability.md."""
+every failure was one the scenario asked for (or the overload 503), every service was sampled, and the page
+pool is back to its baseline. The soak's own figures (5 and 15 minutes) are in docs/reliability.md."""
 
 from __future__ import annotations
 
@@ -43,7 +43,9 @@ def test_a_short_soak_hangs_and_loses_nothing(
     kinds = ("completed", "failed_clearly", "disconnected", "hung", "lost")
     assert summary["sent"] == sum(summary[k] for k in kinds) > 0, summary
     assert (summary["hung"], summary["lost"]) == (0, 0), summary["hung_or_lost"]
-    assert summary["unexpected_failures"] == [], summary["unexpected_failures"]
+    # A failure no scenario asked for may only be the overload answer (503 + Retry-After): on a starved CPU an
+    # admission can wait out the tokenizer's 2 s per instance behind a long prefill step.
+    assert {o["status"] for o in summary["unexpected_failures"]} <= {503}, summary["unexpected_failures"]
     assert set(summary["by_scenario"]) == set(soak._scenarios()), summary["by_scenario"]
     assert summary["completed"] > 0 and summary["disconnected"] > 0 and summary["deadline_timeouts"] > 0
     assert "400 invalid_request_error" in summary["failed_clearly_by"], summary["failed_clearly_by"]
