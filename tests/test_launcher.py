@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from kubesgl.launcher import free_port, port_free
+from kubesgl.launcher import Stack, StackConfig, free_port, planned_ports, port_free
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -136,6 +136,24 @@ def test_up_shows_the_last_lines_of_a_service_that_dies_while_starting(demo_mode
     assert proc.returncode == 1, out
     reason = out[out.index("kubesgl: scheduler-0 exited with 2 while starting:") :]
     assert "unrecognized arguments: --no-such-flag" in reason, out
+
+
+def test_ports_are_planned_from_port_and_base_port_in_start_order(tmp_path: Path) -> None:
+    config = StackConfig("m", "m", schedulers=2, detokenizers=1, tokenizers=2, gateways=2, base_port=8100)
+    assert planned_ports(config) == {
+        "gateway-0": 8000,
+        "gateway-1": 8001,
+        "scheduler-0": 8100,
+        "scheduler-1": 8101,
+        "detokenizer-0": 8102,
+        "tokenizer-0": 8103,
+        "tokenizer-1": 8104,
+    }
+    # A replica added later takes the next port up; free ports (0) plan nothing.
+    assert Stack(config, tmp_path)._admin_port("tokenizer-2") == 8105
+    assert planned_ports(StackConfig("m", "m", port=0)) == {}
+    with pytest.raises(ValueError, match="scheduler-0 and gateway-1 would both listen on port 8001"):
+        planned_ports(StackConfig("m", "m", gateways=2, base_port=8001))
 
 
 def test_up_refuses_a_directory_that_is_not_a_model(tmp_path: Path) -> None:

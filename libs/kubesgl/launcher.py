@@ -115,13 +115,9 @@ class Stack:
         self.services: dict[str, ServiceProcess] = {}
         self._counts: dict[str, int] = dict.fromkeys(KINDS, 0)
         self._ports = planned_ports(config)
-        self._next_admin_port = (
-            max(
-                (p for n, p in self._ports.items() if not n.startswith("gateway")),
-                default=config.base_port - 1,
-            )
-            + 1
-        )
+        # A replica added later (tests scale up mid-run) takes the next admin port after the planned ones.
+        admin_planned = [n for n in self._ports if not n.startswith("gateway")]
+        self._next_admin_port = config.base_port + len(admin_planned)
 
     @property
     def nats_url(self) -> str:
@@ -138,17 +134,20 @@ class Stack:
             host = self.config.host if gateway else "127.0.0.1"
             if port_free(host, port):
                 continue
-            flag = "--port (gateways)" if gateway else "--base-port (the other services' admin ports)"
+            flag = "--port (the gateways)" if gateway else "--base-port (the other services' admin ports)"
             url = f"http://{_connect_host(host)}:{port}/metrics"
             whose = (
                 "another kubesgl stack is serving there (`make up` / `kubesgl up` already running?)"
                 if _is_kubesgl(url)
                 else "another program listens there"
             )
+            c = self.config
+            moved = [f"--port {c.port + 10}"] * bool(c.port) + [f"--base-port {c.base_port + 10}"] * bool(
+                c.base_port
+            )
             raise PortInUseError(
                 f"port {port} for {name} is already in use: {whose}. Stop it, or move this stack with "
-                f'{flag}, e.g. `make up ARGS="--port {self.config.port + 10} --base-port '
-                f'{self.config.base_port + 10}"`'
+                f'{flag}, e.g. `make up ARGS="{" ".join(moved)}"`'
             )
 
     def start(self) -> None:
@@ -273,12 +272,14 @@ def planned_ports(c: StackConfig) -> dict[str, int]:
         counts = {"scheduler": c.schedulers, "detokenizer": c.detokenizers, "tokenizer": c.tokenizers}
         names = [f"{kind}-{i}" for kind in KINDS if kind != "gateway" for i in range(counts[kind])]
         ports |= {name: c.base_port + k for k, name in enumerate(names)}
-    clash = len(set(ports.values())) < len(ports)
-    if clash:
-        raise ValueError(
-            f"--port {c.port} (gateways {c.port}..{c.port + c.gateways - 1}) and --base-port {c.base_port} "
-            f"(admin ports {c.base_port}..{c.base_port + len(ports) - c.gateways - 1}) overlap"
-        )
+    taken: dict[int, str] = {}
+    for name, port in ports.items():
+        if port in taken:
+            raise ValueError(
+                f"{name} and {taken[port]} would both listen on port {port}: --port {c.port} (gateway i at "
+                f"port + i) and --base-port {c.base_port} (the other services from there up) overlap"
+            )
+        taken[port] = name
     return ports
 
 
