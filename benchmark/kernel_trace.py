@@ -135,6 +135,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="Qwen3-0.6B")
     p.add_argument("--attn", default="auto")
+    p.add_argument("--linear-backend", default="torch", choices=["torch", "triton", "auto"])
     p.add_argument("--batch-sizes", default="1,64,256")
     p.add_argument("--context", type=int, default=800)
     p.add_argument("--steps", type=int, default=20)
@@ -157,6 +158,7 @@ def main() -> int:
         dummy_weight=dummy,
         max_running_requests=max(sizes),
         cuda_graph_max_bs=args.cuda_graph_max_bs,
+        linear_backend=args.linear_backend,
     )
     print(f"attention backend: {type(llm.engine.runner.attn).__name__}", flush=True)
     runs = [lambda bs=bs: trace_batch(llm, bs, args.context, args.steps, args.top) for bs in sizes]

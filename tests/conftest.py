@@ -44,6 +44,34 @@ def qwen_tokenizer_dir() -> str:
     return os.path.join(spec.submodule_search_locations[0], "tokenizer_files")
 
 
+@pytest.fixture(scope="session")
+def qwen_tokenizer(qwen_tokenizer_dir: str) -> Any:
+    """The real Qwen3 tokenizer, loaded once (transformers' AutoTokenizer)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(qwen_tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def grammar_compiler(qwen_tokenizer: Any) -> Iterator[Any]:
+    """A kubesgl.structured GrammarCompiler for the Qwen3 vocabulary (model width 151936, EOS ids of Qwen3)."""
+    from kubesgl.models.random_init import QWEN3_EOS, QWEN3_VOCAB
+    from kubesgl.structured.compiler import GrammarCompiler
+
+    compiler = GrammarCompiler.for_tokenizer(qwen_tokenizer, QWEN3_VOCAB, QWEN3_EOS)
+    yield compiler
+    compiler.close()
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """Row-sized torch ops run ~10x slower with 2 intra-op threads on a busy 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 REPO = Path(__file__).resolve().parents[1]
 # Scheduler flags for tests: a small KV pool (the CPU default reserves 512 MiB per scheduler).
 TEST_SCHEDULER_ARGS = ("--device", "cpu", "--num-pages", "8192", "--drain-timeout", "10")

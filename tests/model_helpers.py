@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 from kubesgl.attention.base import AttentionMetadata
 from kubesgl.attention.torch_backend import TorchAttention
@@ -48,3 +51,18 @@ class SingleRequestRunner:
             logits = self.model.compute_logits(self.model(fb))
         self.length += n
         return logits
+
+
+CHAT_TEMPLATES = Path(__file__).resolve().parent / "data" / "chat_templates"
+
+
+def with_chat_template(model_dir: str | Path, template: str) -> Path:
+    """Puts `template` (a file name under tests/data/chat_templates, or Jinja text) into the checkpoint's
+    tokenizer_config.json as its chat template: a small HF-built model then renders that family's prompts."""
+    path = CHAT_TEMPLATES / template
+    text = path.read_text() if path.suffix == ".jinja" and path.is_file() else template
+    config_path = Path(model_dir) / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = text
+    config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+    return Path(model_dir)

@@ -8,11 +8,13 @@ tiny sizes: Triton's interpreter multiplies bf16 tiles wrongly, so bf16 is only 
 from __future__ import annotations
 
 import importlib.util
+import random
 from typing import NamedTuple
 
 import pytest
 import torch
 from kubesgl.attention.base import AttentionMetadata
+from kubesgl.attention.decode_plan import DecodeWork, plan_decode_work, target_items, work_capacity
 from kubesgl.attention.errors import BackendUnavailableError
 from kubesgl.attention.graph_hooks import supports_cuda_graph
 from kubesgl.attention.hybrid_backend import HybridAttention
@@ -191,11 +193,89 @@ def test_triton_split_kv_decode_merges_slices(splits: int, min_chunk: int) -> No
     assert_close_to_reference(out, reference(batch, d**-0.5), shape.tol)
 
 
+def check_plan_covers_each_request_once(seq_lens: list[int], target: int, block_n: int) -> DecodeWork:
+    work = plan_decode_work(seq_lens, target, block_n)
+    assert work.capacity == work_capacity(len(seq_lens), target) >= work.num_items
+    ints = work.ints.tolist()
+    items = [tuple(ints[4 * i : 4 * i + 4]) for i in range(work.capacity)]
+    real, slack = items[: work.num_items], items[work.num_items :]
+    assert all(it == (-1, 0, 0, -1) for it in slack)
+    lengths = [end - start for _, start, end, _ in real]
+    assert lengths == sorted(lengths, reverse=True) and min(lengths) >= 1
+    chunk = -(-max(1, -(-sum(seq_lens) // target)) // block_n) * block_n
+    assert max(lengths) <= max(chunk, 1)
+    merge = ints[4 * work.capacity :]
+    slots_seen: list[int] = []
+    for b, n in enumerate(seq_lens):
+        mine = sorted((start, end, slot) for r, start, end, slot in real if r == b)
+        assert [s for s, _, _ in mine] == [0] + [e for _, e, _ in mine[:-1]] and mine[-1][1] == n
+        assert all(s % block_n == 0 for s, _, _ in mine)  # parts start on whole blocks
+        first, count = merge[2 * b : 2 * b + 2]
+        if len(mine) == 1:
+            assert mine[0][2] == -1 and count == 0  # whole: written directly, no merge
+        else:
+            assert [slot for _, _, slot in mine] == list(range(first, first + count))
+            assert count == len(mine)
+            slots_seen += range(first, first + count)
+    assert sorted(slots_seen) == list(range(work.num_partials))
+    return work
+
+
+def test_decode_plan_cuts_long_requests_into_near_equal_block_parts_longest_first() -> None:
+    rng = random.Random(0)
+    for batch, target in [(1, 1), (1, 33), (5, 4), (40, 7), (256, 132), (256, 528), (3, 1000)]:
+        seq_lens = [rng.choice([1, 15, 16, 17, 64, 65, rng.randint(1, 3000)]) for _ in range(batch)]
+        check_plan_covers_each_request_once(seq_lens, target, block_n=64)
+    work = check_plan_covers_each_request_once([1, 130, 64, 65, 300], 4, 64)
+    assert work.num_items == 6 and work.longest == 192  # 560 tokens / 4 -> 192-token chunk: 300 = 192 + 108
+    equal = plan_decode_work([850] * 256, target_items(132, 8, 8.0), 64)
+    assert equal.num_partials == 0 and equal.num_items == 256  # a full batch of equal lengths is not cut
+
+
+def test_decode_plan_rejects_empty_requests() -> None:
+    with pytest.raises(ValueError, match="at least one token"):
+        plan_decode_work([3, 0], 4, 64)
+    with pytest.raises(ValueError, match="at least one request"):
+        plan_decode_work([], 4, 64)
+
+
+PLANNED_LENS = Lens(
+    "decode", [0, 14, 15, 16, 63, 64, 200, 129], [1] * 8
+)  # lengths 1, 15..17, 64, 65, 201, 130
+
+
 @cpu_interpreter
-def test_triton_graph_replay_pads_batch_into_scratch_page() -> None:
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("waves", [1.0, 16.0], ids=["whole", "cut"])
+def test_triton_planned_decode_matches_torch_on_ragged_lengths(
+    page_size: int, head_dim: int, waves: float
+) -> None:
+    """GQA 16 q / 8 kv heads: with few target items every request stays whole (outputs written directly); with
+    many, the long ones are cut at block boundaries that fall inside pages and are merged by their LSE."""
+    from kubesgl.attention.triton_backend import TritonAttention
+
+    shape = Shape(16, 8, head_dim, torch.float32, "cpu", 1e-5)
+    backend = TritonAttention(
+        device="cpu",
+        num_q_heads=16,
+        num_kv_heads=8,
+        head_dim=head_dim,
+        decode_schedule="planned",
+        plan_waves=waves,
+    )
+    batch = random_batch(shape, page_size, PLANNED_LENS, seed=page_size + head_dim)
+    out = run_backend(backend, batch, head_dim**-0.5)
+    assert (backend._plan.partial_out.shape[0] > 1) == (waves > 1)
+    assert_close_to_reference(out, reference(batch, head_dim**-0.5), shape.tol)
+
+
+@cpu_interpreter
+@pytest.mark.parametrize("name", ["triton-split", "triton-planned"])
+def test_triton_graph_replay_pads_batch_into_scratch_page(name: str) -> None:
     """plan_replay copies a 3-request batch into graph buffers of 5; padded rows read the scratch page."""
     shape, page_size = CPU_SHAPES[0], 16
-    backend = make("triton", shape, page_size)
+    backend = make(name, shape, page_size)
     assert supports_cuda_graph(backend)
     backend.init_cuda_graph(max_bs=8, max_pages=32)
     backend.plan_capture(5)
@@ -252,7 +332,8 @@ def test_gpu_only_backend_on_cpu_says_what_is_missing(name: str) -> None:
 # --- GPU: compiled kernels and FlashInfer in bf16 ---------------------------------------------------
 
 GPU_BACKENDS = [
-    "triton",
+    "triton-split",
+    "triton-planned",
     pytest.param("flashinfer", marks=pytest.mark.skipif(not HAS_FLASHINFER, reason="no flashinfer")),
 ]
 
@@ -307,6 +388,16 @@ def test_decode_graph_replays_new_batches(name: str) -> None:
         graph.replay()
         torch.cuda.synchronize()
         assert_close_to_reference(graph_out[:4].clone(), reference(batch, scale), shape.tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("batch", [96, 256])
+def test_planned_decode_on_a_large_ragged_batch_matches_torch(batch: int) -> None:
+    """Workload-like lengths (100-1600): at 96 requests the long ones are cut, at 256 all stay whole."""
+    rng = random.Random(batch)
+    prefix = [rng.randint(99, 1599) for _ in range(batch)]
+    check_backend("triton-planned", GPU_SHAPES[0], 16, Lens("decode", prefix, [1] * batch), seed=batch)
 
 
 def test_flatten_page_table_concatenates_each_requests_pages() -> None:

@@ -148,12 +148,16 @@ class TokenizerService:
                 reply = ErrorReply(rid=rid, status=400, type="invalid_request_error", message=str(e))
             except KubesglError as e:
                 reply = ErrorReply.from_error(rid, e)
+            if reply is None:  # every scheduler was slow: stay silent, the gateway retries the same rid
+                status.status = 504
+                span.set_attribute("kubesgl.status", 504)
+                return
             status.status = 200 if isinstance(reply, Admitted) else reply.status
             span.set_attribute("kubesgl.status", status.status)
             if msg.reply:
                 await msg.respond(reply.to_bytes())
 
-    async def _admit(self, req: TokenizeRequest, trace: str | None) -> Admitted | ErrorReply:
+    async def _admit(self, req: TokenizeRequest, trace: str | None) -> Admitted | ErrorReply | None:
         check_ids(req.rid, req.gateway_id)
         if req.deadline <= time.time():
             raise DeadlineExceededError("the request's deadline passed before it was tokenized")
@@ -185,13 +189,20 @@ class TokenizerService:
 
     async def _forward(
         self, gen: GenerateRequest, session_id: str | None, trace: str | None
-    ) -> Admitted | ErrorReply:
+    ) -> Admitted | ErrorReply | None:
         """Sends to the routed instance; a silent, gone or full instance makes it try the next one."""
         end = min(gen.deadline, time.time() + self.admit_timeout_s)
         tried: set[str] = set()
+        slow: set[str] = (
+            set()
+        )  # live but did not answer in time: busy, not gone (the same rid may be retried)
         refusal: ErrorReply | None = None
         while (left := end - time.time()) > 0:
             candidates = [c for c in self.registry.candidates(self.model) if c.instance_id not in tried]
+            if not candidates and slow:
+                tried -= slow  # only slow ones left: ask them again (admission is idempotent per rid)
+                slow.clear()
+                continue
             if not candidates:
                 break
             instance = self.router.pick(gen.input_ids, session_id, candidates)
@@ -214,6 +225,7 @@ class TokenizerService:
                 continue
             except nats.errors.TimeoutError:
                 log.warning("scheduler %s did not answer admission of %s in time", instance, gen.rid)
+                slow.add(instance)
                 continue
             if isinstance(reply, ErrorReply) and reply.status == 503:
                 refusal = reply  # full or draining: another instance may have room
@@ -223,6 +235,10 @@ class TokenizerService:
             return refusal
         if gen.deadline <= time.time():
             raise DeadlineExceededError("the request's deadline passed while waiting for a scheduler")
+        if slow:
+            # Busy, not gone or full: no answer lets the gateway retry the same rid after its attempt timeout,
+            # where a 503 would fail a request a live scheduler is about to admit (its deadline still bounds it).
+            return None
         raise ServiceUnavailableError(
             f"no scheduler for model `{self.model}` admitted the request; retry later"
         )

@@ -9,7 +9,7 @@ import torch
 from kubesgl.attention.base import AttentionBackend
 from kubesgl.attention.hybrid_backend import HybridAttention
 
-BACKEND_NAMES = ("torch", "triton", "flashinfer", "fa3")
+BACKEND_NAMES = ("torch", "triton", "flashinfer", "fa3", "triton-split", "triton-planned")
 
 
 def resolve_auto(device: torch.device) -> str:
@@ -62,11 +62,16 @@ def create_backend(
         from kubesgl.attention.torch_backend import TorchAttention
 
         return TorchAttention()
-    if spec == "triton":
-        from kubesgl.attention.triton_backend import TritonAttention
+    if spec in ("triton", "triton-split", "triton-planned"):
+        from kubesgl.attention.triton_backend import DEFAULT_DECODE_SCHEDULE, TritonAttention
 
+        schedule = spec.partition("-")[2] or DEFAULT_DECODE_SCHEDULE  # the decode work split (triton_backend)
         return TritonAttention(
-            device=device, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim
+            device=device,
+            num_q_heads=num_q_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            decode_schedule=schedule,
         )
     if spec == "flashinfer":
         from kubesgl.attention.flashinfer_backend import FlashInferAttention

@@ -1,8 +1,10 @@
 """The always-available GPU attention backend: our own Triton kernels over the paged KV cache.
 
-Decode runs split-KV (flash-decoding) with one program per (request, kv head, slice), so the few
-query heads sharing a kv head read each K/V byte once. The number of slices depends only on the batch
-size, which keeps a captured CUDA graph valid for any sequence lengths at that batch size.
+Decode runs split-KV (flash-decoding), so the few query heads sharing a kv head read each K/V byte once,
+in one of two schedules. "split": one program per (request, kv head, slice), the number of slices depending
+only on the batch size. "planned": a work list planned per step on the host from the sequence lengths
+(`decode_plan.py`), near-equal items over a fixed grid per batch size, for ragged batches. Either way the
+launch depends only on the batch size, which keeps a captured CUDA graph valid for any lengths at that size.
 """
 
 from __future__ import annotations
@@ -14,6 +16,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from kubesgl.attention.base import AttentionMetadata
+from kubesgl.attention.decode_plan import (
+    ITEM_INTS,
+    MERGE_INTS,
+    plan_decode_work,
+    target_items,
+    work_capacity,
+)
 from kubesgl.attention.device_ints import exclusive_cumsum, to_device_int32
 from kubesgl.attention.errors import BackendUnavailableError
 
@@ -22,6 +31,9 @@ if TYPE_CHECKING:
 
 MAX_DECODE_SPLITS = 16
 LONG_SPLITS, LONG_SLICE = 4, 512  # large batches: requests over 512 tokens in up to 4 slices
+DECODE_SCHEDULES = ("split", "planned")
+DEFAULT_DECODE_SCHEDULE = "split"  # `--attn triton`; "triton-planned" / "triton-split" name one explicitly
+PLAN_WAVES = 8.0  # planned schedule: about this many programs per multiprocessor per step
 
 
 @dataclass
@@ -31,6 +43,15 @@ class _DecodePlan:
     partial_out: torch.Tensor | None  # [B, q_heads, S, D] float32 when S > 1
     partial_lse: torch.Tensor | None  # [B, q_heads, S] float32
     min_chunk: int  # shortest slice in tokens (decode_splits)
+
+
+@dataclass
+class _PlannedDecode:
+    page_table: torch.Tensor
+    work: torch.Tensor  # int32 DecodeWork.ints on the device
+    capacity: int  # items in `work` (the grid is capacity x kv heads)
+    partial_out: torch.Tensor  # [P, q_heads, D] float32
+    partial_lse: torch.Tensor  # [P, q_heads] float32
 
 
 @dataclass
@@ -48,8 +69,9 @@ class _GraphBuffers:
 
     page_table: torch.Tensor  # [max_bs, max_pages]
     seq_lens: torch.Tensor  # [max_bs]
-    partial_out: torch.Tensor  # flat, sized for the largest batch's splits
+    partial_out: torch.Tensor  # flat, sized for the largest batch's splits (or planned partials)
     partial_lse: torch.Tensor
+    work: torch.Tensor | None  # planned schedule: the largest batch's work list
 
 
 def decode_splits(batch_size: int, num_kv_heads: int, num_sms: int) -> tuple[int, int]:
@@ -93,9 +115,12 @@ class TritonAttention:
         decode_num_warps: int = 4,
         decode_num_stages: int = 3,
         fixed_decode_splits: int | None = None,
+        decode_schedule: str = DEFAULT_DECODE_SCHEDULE,
+        plan_waves: float = PLAN_WAVES,
     ) -> None:
-        """The decode_* knobs tune the split-KV kernel (defaults: best of benchmark/attention_bw.py's sweep on an
-        H200); fixed_decode_splits overrides `decode_splits`."""
+        """The decode_* knobs tune the split-KV kernels (defaults: best of benchmark/attention_bw.py's sweep on
+        an H200); fixed_decode_splits overrides `decode_splits` (split schedule); plan_waves sizes the planned
+        schedule's work list."""
         try:
             from kubesgl.attention import triton_kernels
         except ImportError as e:
@@ -107,7 +132,12 @@ class TritonAttention:
             )
         if num_q_heads % num_kv_heads:
             raise ValueError(f"num_q_heads {num_q_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+        if decode_schedule not in DECODE_SCHEDULES:
+            raise ValueError(
+                f"decode schedule {decode_schedule!r}: choose one of {', '.join(DECODE_SCHEDULES)}"
+            )
         self._kernels = triton_kernels
+        self.decode_schedule = decode_schedule
         self.num_q_heads = num_q_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -122,10 +152,14 @@ class TritonAttention:
             else 4
         )
         self._fixed_splits = fixed_decode_splits
-        self._plan: _DecodePlan | _ExtendPlan | None = None
+        self._target_items = target_items(self._num_sms, num_kv_heads, plan_waves)
+        self._plan: _DecodePlan | _PlannedDecode | _ExtendPlan | None = None
         self._graph: _GraphBuffers | None = None
 
     def plan(self, meta: AttentionMetadata) -> None:
+        if meta.mode == "decode" and self.decode_schedule == "planned":
+            self._plan = self._planned(meta.page_table, list(meta.seq_lens))
+            return
         if meta.mode == "decode":
             self._plan = self._decode_plan(meta.page_table, meta.seq_lens_dev, meta.batch_size)
             return
@@ -162,6 +196,31 @@ class TritonAttention:
             lse = pool.partial_lse[: math.prod(lse_shape)].view(lse_shape)
         return _DecodePlan(page_table, seq_lens, out, lse, min_chunk)
 
+    def _planned(
+        self, page_table: torch.Tensor, seq_lens: list[int], pool: _GraphBuffers | None = None
+    ) -> _PlannedDecode:
+        """The step's work list on the device: a new tensor, or written into the graph pool's static one."""
+        w = plan_decode_work(seq_lens, self._target_items, self._decode_cfg["block_n"])
+        host = torch.from_numpy(w.ints)
+        if pool is None:
+            work = host.to(self.device)  # eager: a pageable copy of a few KB, like the batch's other inputs
+            parts = max(1, w.num_partials)
+            out = torch.empty(
+                (parts, self.num_q_heads, self.head_dim), dtype=torch.float32, device=self.device
+            )
+            lse = torch.empty((parts, self.num_q_heads), dtype=torch.float32, device=self.device)
+            return _PlannedDecode(page_table, work, w.capacity, out, lse)
+        assert pool.work is not None
+        work = pool.work[: host.numel()]
+        if self.device.type == "cuda":  # pinned, so the host does not wait for the step in flight
+            work.copy_(host.pin_memory(), non_blocking=True)
+        else:
+            work.copy_(host)
+        parts = pool.partial_lse.numel() // self.num_q_heads
+        out = pool.partial_out.view(parts, self.num_q_heads, self.head_dim)
+        lse = pool.partial_lse.view(parts, self.num_q_heads)
+        return _PlannedDecode(page_table, work, w.capacity, out, lse)
+
     def forward(
         self,
         q: torch.Tensor,
@@ -173,6 +232,22 @@ class TritonAttention:
         assert plan is not None, "plan() must run before forward()"
         out = torch.empty_like(q)
         k_cache, v_cache = kv.k_pages(layer), kv.v_pages(layer)
+        if isinstance(plan, _PlannedDecode):
+            from kubesgl.attention.triton_planned import planned_decode_attention
+
+            return planned_decode_attention(
+                q,
+                k_cache,
+                v_cache,
+                plan.page_table,
+                plan.work,
+                plan.capacity,
+                out,
+                scale,
+                plan.partial_out,
+                plan.partial_lse,
+                **self._decode_cfg,
+            )
         if isinstance(plan, _DecodePlan):
             return self._kernels.decode_attention(
                 q,
@@ -204,7 +279,13 @@ class TritonAttention:
     # size `bs`, and plan_replay before each replay at `bs` (the real batch padded up to it).
 
     def init_cuda_graph(self, max_bs: int, max_pages: int) -> None:
-        most = max(bs * self._split_policy(bs)[0] for bs in range(1, max_bs + 1))
+        work = None
+        if self.decode_schedule == "planned":
+            # Partials never outnumber items; the work list holds the largest batch's items and merge rows.
+            most = work_capacity(max_bs, self._target_items)
+            work = torch.zeros(ITEM_INTS * most + MERGE_INTS * max_bs, dtype=torch.int32, device=self.device)
+        else:
+            most = max(bs * self._split_policy(bs)[0] for bs in range(1, max_bs + 1))
         self._graph = _GraphBuffers(
             page_table=torch.zeros((max_bs, max_pages), dtype=torch.int32, device=self.device),
             seq_lens=torch.ones(max_bs, dtype=torch.int32, device=self.device),
@@ -212,11 +293,15 @@ class TritonAttention:
                 most * self.num_q_heads * self.head_dim, dtype=torch.float32, device=self.device
             ),
             partial_lse=torch.empty(most * self.num_q_heads, dtype=torch.float32, device=self.device),
+            work=work,
         )
 
     def plan_capture(self, bs: int) -> None:
         g = self._graph_buffers(bs)
-        self._plan = self._decode_plan(g.page_table[:bs], g.seq_lens[:bs], bs, g)
+        if self.decode_schedule == "planned":  # a placeholder plan; replays write the real one in place
+            self._plan = self._planned(g.page_table[:bs], [1] * bs, g)
+        else:
+            self._plan = self._decode_plan(g.page_table[:bs], g.seq_lens[:bs], bs, g)
 
     def plan_replay(self, meta: AttentionMetadata, bs: int) -> None:
         g = self._graph_buffers(bs)
@@ -230,7 +315,10 @@ class TritonAttention:
         # Padding rows attend one token in the scratch page 0, where padded tokens also write.
         g.page_table[n:bs, 0].zero_()
         g.seq_lens[n:bs].fill_(1)
-        self.plan_capture(bs)
+        if self.decode_schedule == "planned":
+            self._plan = self._planned(g.page_table[:bs], list(meta.seq_lens) + [1] * (bs - n), g)
+        else:
+            self.plan_capture(bs)
 
     def _graph_buffers(self, bs: int) -> _GraphBuffers:
         if self._graph is None or bs > self._graph.seq_lens.shape[0]:

@@ -57,6 +57,57 @@ def _attend_block(
 
 
 @triton.jit
+def _decode_range(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    page_table_ptr,
+    b,
+    kv_head,
+    start,
+    end,
+    qk_scale,
+    stride_qb,
+    stride_qh,
+    stride_ks,
+    stride_kh,
+    stride_vs,
+    stride_vh,
+    stride_pt,
+    GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Request b's query heads of one kv head over its tokens [start, end): (heads, head mask, dim offsets,
+    and the unnormalised online-softmax state m_i, l_i, acc). Shared by the split and planned decode kernels."""
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    heads = kv_head * GROUP + offs_h
+    mask_h = offs_h < GROUP
+    mask_d = offs_d < HEAD_DIM
+    q = tl.load(
+        q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=mask_h[:, None] & mask_d[None, :],
+        other=0.0,
+    )
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    row = page_table_ptr + b.to(tl.int64) * stride_pt
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        m_i, l_i, acc = _attend_block(
+            q, k_ptr, v_ptr, row, offs_n, mask_n, mask_n[None, :], kv_head, offs_d, mask_d,
+            stride_ks, stride_kh, stride_vs, stride_vh, qk_scale, m_i, l_i, acc, PAGE_SIZE,
+        )  # fmt: skip
+    return heads, mask_h, offs_d, m_i, l_i, acc
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr,
     k_ptr,
@@ -100,28 +151,10 @@ def _decode_split_kernel(
     start = split * chunk
     end = tl.minimum(start + chunk, seq_len)
 
-    offs_h = tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, BLOCK_D)
-    heads = kv_head * GROUP + offs_h
-    mask_h = offs_h < GROUP
-    mask_d = offs_d < HEAD_DIM
-    q = tl.load(
-        q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=mask_h[:, None] & mask_d[None, :],
-        other=0.0,
-    )
-
-    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-    row = page_table_ptr + b * stride_pt
-    for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < end
-        m_i, l_i, acc = _attend_block(
-            q, k_ptr, v_ptr, row, offs_n, mask_n, mask_n[None, :], kv_head, offs_d, mask_d,
-            stride_ks, stride_kh, stride_vs, stride_vh, qk_scale, m_i, l_i, acc, PAGE_SIZE,
-        )  # fmt: skip
+    heads, mask_h, offs_d, m_i, l_i, acc = _decode_range(
+        q_ptr, k_ptr, v_ptr, page_table_ptr, b, kv_head, start, end, qk_scale, stride_qb, stride_qh,
+        stride_ks, stride_kh, stride_vs, stride_vh, stride_pt, GROUP, BLOCK_H, HEAD_DIM, BLOCK_D, PAGE_SIZE, BLOCK_N,
+    )  # fmt: skip
 
     has_kv = end > start
     out = acc / tl.where(has_kv, l_i, 1.0)[:, None]

@@ -31,6 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attn", default="auto")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--cuda-graph-max-bs", type=int, default=None)
+    p.add_argument(
+        "--linear-backend", default="torch", choices=["torch", "triton", "auto"], help="decode-batch GEMVs"
+    )
     p.add_argument("--disable-overlap", action="store_true")
     p.add_argument("--max-running-requests", type=int, default=256)
     p.add_argument("--max-prefill-length", type=int, default=8192)
@@ -158,6 +161,7 @@ def main(args: argparse.Namespace) -> int:
         attn=args.attn,
         page_size=args.page_size,
         cuda_graph_max_bs=args.cuda_graph_max_bs,
+        linear_backend=args.linear_backend,
         disable_overlap=args.disable_overlap,
         dummy_weight=dummy,
         max_running_requests=args.max_running_requests,
@@ -189,6 +193,8 @@ def main(args: argparse.Namespace) -> int:
     res: dict[str, Any] = {
         "model": args.model,
         "attn": type(llm.engine.runner.attn).__name__,
+        "attn_spec": args.attn,
+        "linear_backend": args.linear_backend,
         "overlap": llm.engine.overlap,
         "cuda_graph_max_bs": graphs.max_bs if graphs else 0,
         "graph_capture_s": round(graphs.capture_seconds, 2) if graphs else 0.0,

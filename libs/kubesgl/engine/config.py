@@ -21,6 +21,7 @@ class EngineConfig:
     max_seq_len_override: int | None = None
     attn: str = "auto"  # "torch" | "triton" | "flashinfer" | "fa3" | "prefill,decode" | "auto"
     cuda_graph_max_bs: int | None = None  # None = auto, 0 = off
+    linear_backend: str = "torch"  # "torch" | "triton" | "auto": decode-batch GEMVs (kernels/gemv.py)
     disable_overlap: bool = False
     dummy_weight: bool = False
     seed: int = 0  # engine RNG for requests without a seed

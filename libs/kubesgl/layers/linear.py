@@ -3,6 +3,11 @@
 Column-parallel layers split the output dim (no communication); row-parallel layers split the input
 dim and all-reduce the partial sums. Every parameter carries a `weight_loader(param, full, shard_id)`
 and a `num_shards` (how many checkpoint tensors fill it) so the loader can tell when one is missing.
+
+The fused, sharded and row-parallel projections compute through a `LinearBackend` (`kernels/gemv.py`, set
+model-wide by `CausalLM.set_linear_backend`): F.linear, or for decode batches the Triton GEMV, whose fused
+forms `forward_rmsnorm` (the projections after a norm) and `forward_silu_mul` (the down projection) the
+decoder calls on the batches the backend takes.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kubesgl.distributed import TPGroup, shard_range
+from kubesgl.kernels.gemv import TORCH, LinearBackend, linear, rmsnorm_linear, silu_mul_linear
 
 WeightLoader = Callable[[nn.Parameter, torch.Tensor, Any], None]
 
@@ -64,7 +70,24 @@ class ColumnParallelLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-class MergedColumnParallelLinear(nn.Module):
+class _NormedInput(nn.Module):
+    """A column-parallel projection that can take the preceding RMSNorm (and residual add) as its prologue."""
+
+    weight: nn.Parameter
+    bias: nn.Parameter | None
+    backend: LinearBackend = TORCH
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, self.backend)
+
+    def forward_rmsnorm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(norm(x + residual)), x + residual), fused on the batches the backend takes."""
+        return rmsnorm_linear(x, residual, norm.weight, norm.eps, self.weight, self.bias, self.backend)
+
+
+class MergedColumnParallelLinear(_NormedInput):
     """Several column-parallel projections of the same input in one matmul (gate_proj + up_proj).
 
     Each rank holds [shard of output 0 | shard of output 1 | ...]; shard_id is the output's index.
@@ -83,9 +106,6 @@ class MergedColumnParallelLinear(nn.Module):
         dst = param.data.narrow(0, offset, self.sizes[shard_id])
         copy_checked(dst, _narrow_rank(full, 0, self.tp), f"merged-column weight part {shard_id}")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
-
 
 def kv_heads_per_rank(num_kv_heads: int, tp: TPGroup) -> int:
     """This rank's KV heads: an even split, or one replicated head when there are fewer heads than ranks."""
@@ -98,7 +118,7 @@ def kv_heads_per_rank(num_kv_heads: int, tp: TPGroup) -> int:
     return 1
 
 
-class QKVParallelLinear(nn.Module):
+class QKVParallelLinear(_NormedInput):
     """Fused q/k/v projection split by heads; KV heads are replicated when tp_size exceeds them."""
 
     def __init__(
@@ -136,12 +156,11 @@ class QKVParallelLinear(nn.Module):
         dst = param.data.narrow(0, offset, size)
         copy_checked(dst, full.narrow(0, src_start, size), f"qkv weight part {shard_id}")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
-
 
 class RowParallelLinear(nn.Module):
     """y = x W^T + b with W's input columns split over ranks; partial sums are all-reduced."""
+
+    backend: LinearBackend = TORCH
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, tp: TPGroup) -> None:
         super().__init__()
@@ -154,6 +173,14 @@ class RowParallelLinear(nn.Module):
         copy_checked(param.data, _narrow_rank(full, 1, self.tp), "row-parallel weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return self._reduce(linear(x, self.weight, None, self.backend))
+
+    def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """self(silu(x[:, :d]) * x[:, d:]) for this rank's [gate | up] shard, fused on the batches the
+        backend takes."""
+        return self._reduce(silu_mul_linear(x, self.weight, None, self.backend))
+
+    def _reduce(self, y: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(y)
         # Bias after the reduce so it is added once, not tp_size times.
         return y if self.bias is None else y + self.bias

@@ -1,0 +1,466 @@
+"""Kernel microbenchmarks for the decode levers on Qwen3-0.6B shapes: the Triton GEMV vs cuBLAS, and the planned
+Triton decode attention vs the split one and FlashInfer. Prints one summary table last.
+
+    python benchmark/kernel_bench.py --part copy|gemv|attn --json $OUT/kb.jsonl   # one part per process
+    python benchmark/kernel_bench.py --summary $OUT/kb.jsonl                       # the table, from the rows
+
+copy: device-to-device copy bandwidth (read + write), the ceiling the other rows are read against.
+tune: compiles every GEMV tiling the engine tries (several processes at once) and autotunes its calls at
+  decode batch sizes, into Triton's cache dir (run before `--linear-backend triton` engines on a fresh machine).
+gemv: for each projection (qkv 1024->4096, o 2048->1024, gate_up 1024->6144, down 3072->1024, lm_head
+  1024->151936) and M in 1, 8, 32, 64, 128, 256: F.linear (cuBLAS) and the autotuned Triton GEMV, plain and
+  with the prologue the engine fuses (qkv, gate_up: residual add + RMSNorm, against fused_add_rms_norm +
+  F.linear; down: SiLU-and-mul, against silu_and_mul + F.linear). Each timing is a CUDA graph of one call
+  per copy of the weight, enough copies to exceed 200 MB (the 50 MB L2 never holds them), median of replays;
+  TB/s counts the weight and activation bytes. Every variant is checked against F.linear on random data
+  (rel err < 1e-2). Then a whole decoder layer's four projections both ways, over 8 layers of weights.
+attn: decode attention at 16 q / 8 kv heads, head_dim 128, page 16, bf16 on bs 256 with workload-like ragged
+  lengths (prompt 100-1024 + generated 0-1024, seeded), bs 256 x 850, bs 64 and 16 ragged; each backend
+  through its CUDA-graph hooks (benchmark/attention_bw.py's harness, 10 layer calls per graph); planned
+  schedule at several work-list sizes (waves per multiprocessor).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+SHAPES = {
+    "qkv": (4096, 1024),
+    "o": (1024, 2048),
+    "gate_up": (6144, 1024),
+    "down": (1024, 3072),
+    "lm_head": (151936, 1024),
+}
+ROWS = [1, 8, 32, 64, 128, 256]
+BF16 = torch.bfloat16
+EPS = 1e-6
+PLAN_WAVES = [4.0, 8.0, 16.0, 32.0]
+
+
+def emit(row: dict[str, Any], path: str | None) -> None:
+    print(
+        "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True
+    )
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def graph_seconds(fn: Callable[[], object], calls: int, reps: int = 30) -> float:
+    """Seconds per call of `fn` (which makes `calls` calls) captured in a CUDA graph: median of replays."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times) / calls
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+# --- copy ---------------------------------------------------------------------------------------------
+
+
+def part_copy(path: str | None) -> None:
+    from attention_bw import copy_bandwidth
+
+    emit({"part": "copy", "device": torch.cuda.get_device_name(), "TBps": copy_bandwidth()}, path)
+
+
+# --- gemv ---------------------------------------------------------------------------------------------
+
+
+def precompile(workers: int) -> None:
+    """Fills Triton's cache with every GEMV kernel the benchmark (and then the engine) will try, from
+    `workers` processes at once: compiled one after another in the autotuner, ~130 kernels take minutes.
+    Each distinct (prologue, tiling) is compiled once, on one of the calls that will try it (the kernel is the
+    same for every shape: N, K and strides are all multiples of 16)."""
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    from kubesgl.kernels.gemv_triton import candidate_configs
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    kernels: dict[tuple[str, object], tuple[str, int, str]] = {}
+    for name, (n, k) in SHAPES.items():
+        for m in ROWS:
+            for variant in _variants(name):
+                for c in candidate_configs(m, n, k, sms):
+                    kernels.setdefault((variant, c), (name, m, variant))
+    jobs = [(*call, cfg) for (_, cfg), call in kernels.items()]
+    t0 = time.time()
+    try:
+        with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
+            compiled = sum(pool.map(_compile_job, [jobs[i::workers] for i in range(workers)]))
+    except Exception as e:  # the autotuner then compiles what is missing itself, one kernel at a time
+        print(f"precompile FAILED ({type(e).__name__}: {e}); going on without it", flush=True)
+        return
+    print(f"precompiled {compiled} kernels in {time.time() - t0:.0f} s ({workers} processes)", flush=True)
+
+
+def _variants(name: str) -> list[str]:
+    """The calls the benchmark and the engine make ("norm0": the first layer's, with no residual yet)."""
+    return {"qkv": ["plain", "norm", "norm0"], "gate_up": ["plain", "norm"], "down": ["plain", "silu"]}.get(
+        name, ["plain"]
+    )
+
+
+def _call_args(name: str, m: int, variant: str) -> tuple[tuple[torch.Tensor, ...], dict[str, Any]]:
+    """Random arguments of one GEMV call of the engine's: (x, weight), and the prologue keywords."""
+    from kubesgl.kernels.gemv_triton import PROLOGUE_RMSNORM, PROLOGUE_SILU_MUL
+
+    n, k = SHAPES[name]
+    w = torch.randn((n, k), dtype=BF16, device="cuda") * k**-0.5
+    if variant == "silu":
+        return (torch.randn((m, 2 * k), dtype=BF16, device="cuda"), w), {"prologue": PROLOGUE_SILU_MUL}
+    x = torch.randn((m, k), dtype=BF16, device="cuda")
+    if variant == "plain":
+        return (x, w), {}
+    kw = {"prologue": PROLOGUE_RMSNORM, "norm_weight": torch.ones(k, dtype=BF16, device="cuda")}
+    return (x, w), kw | ({"residual": torch.randn_like(x)} if variant == "norm" else {})
+
+
+def _compile_job(jobs: list[tuple[str, int, str, Any]]) -> int:
+    from kubesgl.kernels.gemv_triton import compile_configs
+
+    for name, m, variant, config in jobs:
+        args, kw = _call_args(name, m, variant)
+        compile_configs(*args, **kw, configs=[config])
+    return len(jobs)
+
+
+def part_tune(workers: int) -> None:
+    """Compiles in parallel, then autotunes every GEMV call the engine makes at decode batch sizes: both land in
+    Triton's cache dir, so engines started later on this machine neither compile nor time them again."""
+    from kubesgl.kernels.gemv_triton import gemv
+
+    precompile(workers)
+    t0 = time.time()
+    for name in SHAPES:
+        for m in ROWS:
+            for variant in _variants(name):
+                args, kw = _call_args(name, m, variant)
+                gemv(*args, **kw, eps=EPS)
+    torch.cuda.synchronize()
+    print(f"autotuned {len(SHAPES)} shapes x {len(ROWS)} batch sizes in {time.time() - t0:.0f} s", flush=True)
+
+
+def part_gemv(path: str | None, workers: int) -> None:
+    part_tune(workers)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(shape, generator=gen, device="cuda", dtype=torch.float32) * scale).to(BF16)
+
+    for name, (n, k) in SHAPES.items():
+        copies = max(1, math.ceil(200e6 / (n * k * 2)))
+        weights = [rand(n, k, scale=k**-0.5) for _ in range(copies)]
+        nw = 1 + 0.1 * rand(k)
+        for m in ROWS:
+            t0 = time.time()
+            bench_shape(name, m, weights, nw, rand(m, k), rand(m, k), rand(m, 2 * k), path)
+            print(f"  ({name} m={m}: {time.time() - t0:.1f} s)", flush=True)
+        weights.clear()
+        torch.cuda.empty_cache()
+    gemv_layers(path, rand)
+
+
+def bench_shape(
+    name: str,
+    m: int,
+    weights: list[torch.Tensor],
+    nw: torch.Tensor,
+    x: torch.Tensor,
+    res: torch.Tensor,
+    gate_up: torch.Tensor,
+    path: str | None,
+) -> None:
+    """One projection at one batch size: every variant checked against F.linear, then timed over the copies."""
+    from kubesgl.kernels.activation import silu_and_mul
+    from kubesgl.kernels.gemv_triton import (
+        PROLOGUE_NONE,
+        PROLOGUE_RMSNORM,
+        PROLOGUE_SILU_MUL,
+        gemv,
+        tuned_config,
+    )
+    from kubesgl.kernels.norm import fused_add_rms_norm
+
+    n, k = SHAPES[name]
+
+    def unfused_norm(w: torch.Tensor) -> torch.Tensor:
+        return F.linear(fused_add_rms_norm(x, res, nw, EPS)[0], w)
+
+    def fused_norm(w: torch.Tensor) -> torch.Tensor:
+        return gemv(x, w, prologue=PROLOGUE_RMSNORM, residual=res, norm_weight=nw, eps=EPS)[0]
+
+    def unfused_silu(w: torch.Tensor) -> torch.Tensor:
+        return F.linear(silu_and_mul(gate_up), w)
+
+    def fused_silu(w: torch.Tensor) -> torch.Tensor:
+        return gemv(gate_up, w, prologue=PROLOGUE_SILU_MUL)[0]
+
+    act_bytes = m * (k + n) * 2
+    cases: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], str, int]] = {
+        "cublas": (lambda w: F.linear(x, w), "plain", act_bytes),
+        "triton": (lambda w: gemv(x, w)[0], "plain", act_bytes),
+    }
+    if name in ("qkv", "gate_up"):  # + the residual read and the new residual written
+        cases["cublas+norm"] = (unfused_norm, "norm", act_bytes + 2 * m * k * 2)
+        cases["triton+norm"] = (fused_norm, "norm", act_bytes + 2 * m * k * 2)
+    if name == "down":  # + the up half of the input
+        cases["cublas+silu"] = (unfused_silu, "silu", act_bytes + m * k * 2)
+        cases["triton+silu"] = (fused_silu, "silu", act_bytes + m * k * 2)
+    refs = {
+        "plain": F.linear(x, weights[0]),
+        "norm": unfused_norm(weights[0]),
+        "silu": unfused_silu(weights[0]),
+    }
+    prologues = {"plain": PROLOGUE_NONE, "norm": PROLOGUE_RMSNORM, "silu": PROLOGUE_SILU_MUL}
+    for variant, (call, kind, nbytes) in cases.items():
+        try:
+            err = rel_err(call(weights[0]), refs[kind])
+            sec = graph_seconds(lambda call=call: [call(w) for w in weights], len(weights))
+        except Exception as e:  # one failing variant must not hide the others
+            print(f"gemv {name} m={m} {variant}: FAILED {type(e).__name__}: {e}", flush=True)
+            continue
+        row = {"part": "gemv", "shape": name, "m": m, "variant": variant, "us": sec * 1e6,
+               "TBps": (n * k * 2 + nbytes) / sec / 1e12, "rel_err": err, "ok": err < 1e-2}  # fmt: skip
+        if variant.startswith("triton"):
+            c = tuned_config(m, n, k, prologues[kind], kind == "norm", False)
+            row["config"] = (
+                f"{c.block_m}x{c.block_n}x{c.block_k} k{c.split_k} w{c.num_warps} s{c.num_stages}"
+                if c
+                else "?"
+            )
+        emit(row, path)
+
+
+def gemv_layers(path: str | None, rand: Callable[..., torch.Tensor]) -> None:
+    """A decoder layer's projections, unfused (norm kernels + cuBLAS) vs fused (Triton GEMV prologues), over 8
+    layers of weights in one graph; per layer."""
+    hidden, layers = 1024, 8
+    ws = [
+        {name: rand(*SHAPES[name], scale=SHAPES[name][1] ** -0.5) for name in ("qkv", "o", "gate_up", "down")}
+        for _ in range(layers)
+    ]
+    nw = 1 + 0.1 * rand(hidden)
+    weight_bytes = sum(w.numel() * 2 for w in ws[0].values())
+    for m in ROWS:
+        unfused, fused = layer_stacks(ws, nw, rand(m, hidden), rand(m, hidden), rand(m, 2048))
+        err = rel_err(fused(), unfused())
+        for variant, fn in (("unfused", unfused), ("fused", fused)):
+            sec = graph_seconds(fn, layers)
+            emit({"part": "layer", "m": m, "variant": variant, "us": sec * 1e6, "TBps": weight_bytes / sec / 1e12,
+                  "rel_err": err, "ok": err < 2e-2}, path)  # fmt: skip
+
+
+def layer_stacks(
+    ws: list[dict[str, torch.Tensor]],
+    nw: torch.Tensor,
+    h0: torch.Tensor,
+    r0: torch.Tensor,
+    attn_out: torch.Tensor,
+) -> tuple[Callable[[], torch.Tensor], Callable[[], torch.Tensor]]:
+    """The projections of len(ws) decoder layers as the engine runs them today and on the fused GEMV path
+    (attention left out: `attn_out` stands in for its output)."""
+    from kubesgl.kernels.activation import silu_and_mul
+    from kubesgl.kernels.gemv_triton import PROLOGUE_RMSNORM, PROLOGUE_SILU_MUL, gemv
+    from kubesgl.kernels.norm import fused_add_rms_norm
+
+    def unfused() -> torch.Tensor:
+        h, r = h0, r0
+        for w in ws:
+            normed, r = fused_add_rms_norm(h, r, nw, EPS)
+            F.linear(normed, w["qkv"])
+            o = F.linear(attn_out, w["o"])
+            normed, r = fused_add_rms_norm(o, r, nw, EPS)
+            h = F.linear(silu_and_mul(F.linear(normed, w["gate_up"])), w["down"])
+        return h
+
+    def fused() -> torch.Tensor:
+        h, r = h0, r0
+        for w in ws:
+            _, r = gemv(h, w["qkv"], prologue=PROLOGUE_RMSNORM, residual=r, norm_weight=nw, eps=EPS)
+            o = gemv(attn_out, w["o"])[0]
+            gate_up, r = gemv(o, w["gate_up"], prologue=PROLOGUE_RMSNORM, residual=r, norm_weight=nw, eps=EPS)
+            h = gemv(gate_up, w["down"], prologue=PROLOGUE_SILU_MUL)[0]
+        return h
+
+    return unfused, fused
+
+
+# --- attention ----------------------------------------------------------------------------------------
+
+
+def part_attn(path: str | None) -> None:
+    from attention_bw import DTYPE, HEAD_DIM, KV_HEADS, PAGE, Q_HEADS, _flashinfer, decode_batch, time_decode
+    from attention_bw import decode_inputs as attn_inputs
+    from kubesgl.attention.triton_backend import TritonAttention
+    from kubesgl.kv.kv_cache import KVCache
+
+    rng = random.Random(0)
+
+    def ragged(bs: int) -> list[int]:  # a live request: its prompt plus what it generated so far
+        return [rng.randint(100, 1024) + rng.randint(0, rng.randint(100, 1024)) for _ in range(bs)]
+
+    cases = {
+        "256xragged": ragged(256),
+        "256x850": [850] * 256,
+        "64xragged": ragged(64),
+        "16xragged": ragged(16),
+    }
+    kv = KVCache(
+        1,
+        max(sum(-(-n // PAGE) for n in c) for c in cases.values()) + 2,
+        PAGE,
+        KV_HEADS,
+        HEAD_DIM,
+        DTYPE,
+        "cuda",
+    )
+    kv.k_pages(0).normal_()
+    kv.v_pages(0).normal_()
+
+    def triton(schedule: str, waves: float = 8.0) -> Any:
+        return TritonAttention(device="cuda", num_q_heads=Q_HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                               decode_schedule=schedule, plan_waves=waves)  # fmt: skip
+
+    variants: list[tuple[str, Callable[[], Any]]] = [("triton-split", lambda: triton("split"))]
+    variants += [(f"triton-planned-w{w:g}", lambda w=w: triton("planned", w)) for w in PLAN_WAVES]
+    variants.append(("flashinfer", lambda: _flashinfer(use_tensor_cores=True)))
+    for case, seq_lens in cases.items():
+        meta, out_loc = decode_batch(seq_lens, kv)
+        qkv = attn_inputs(len(seq_lens))
+        kv_bytes = sum(seq_lens) * KV_HEADS * HEAD_DIM * 2 * DTYPE.itemsize
+        ref = None
+        for label, make in variants:
+            try:
+                seconds, out = time_decode(make(), meta, out_loc, kv, qkv)
+            except Exception as e:
+                print(f"attn {case} {label}: FAILED {type(e).__name__}: {e}", flush=True)
+                continue
+            ref = out if ref is None else ref
+            diff = (out.float() - ref.float()).abs().max().item()
+            emit({"part": "attn", "case": case, "backend": label, "us": seconds * 1e6,
+                  "TBps": kv_bytes / seconds / 1e12, "max_diff_vs_split": diff, "ok": diff < 2e-2}, path)  # fmt: skip
+
+
+# --- summary ------------------------------------------------------------------------------------------
+
+
+def summary(path: str) -> None:
+    rows = []
+    if os.path.exists(path):
+        with open(path) as f:
+            rows = [json.loads(line) for line in f]
+    copy = next((r["TBps"] for r in rows if r["part"] == "copy"), float("nan"))
+    bad = [r for r in rows if r.get("ok") is False]
+    print(
+        f"\n==== kernel_bench summary (copy bandwidth {copy:.2f} TB/s; {len(bad)} rows failed their check) ===="
+    )
+    gemv = {(r["shape"], r["m"], r["variant"]): r for r in rows if r["part"] == "gemv"}
+    if gemv:
+        print("GEMV, us (TB/s) per call; speedup = cuBLAS[+op] / Triton[fused]")
+        print(
+            f"{'shape':8} {'M':>4} {'cuBLAS':>14} {'Triton':>14} {'x':>5} {'cuBLAS+op':>14} {'Triton fused':>14} {'x':>5}  chosen config"
+        )
+        for name in SHAPES:
+            for m in ROWS:
+                c, t = gemv.get((name, m, "cublas")), gemv.get((name, m, "triton"))
+                op = "norm" if name in ("qkv", "gate_up") else "silu" if name == "down" else None
+                cf, tf = (
+                    (gemv.get((name, m, f"cublas+{op}")), gemv.get((name, m, f"triton+{op}")))
+                    if op
+                    else (None, None)
+                )
+                print(f"{name:8} {m:>4} {_cell(c)} {_cell(t)} {_ratio(c, t)} {_cell(cf)} {_cell(tf)} {_ratio(cf, tf)}  "
+                      f"{(tf or t or {}).get('config', '')}")  # fmt: skip
+    layer = {(r["m"], r["variant"]): r for r in rows if r["part"] == "layer"}
+    if layer:
+        print("Decoder layer's projections (qkv(norm) + o + gate_up(norm) + down(silu)), us per layer")
+        for m in ROWS:
+            u, f = layer.get((m, "unfused")), layer.get((m, "fused"))
+            if u and f:
+                saved = (u["us"] - f["us"]) * 28 / 1e3
+                print(f"  M {m:>3}: unfused {u['us']:7.1f}  fused {f['us']:7.1f}  x{u['us'] / f['us']:.2f}  "
+                      f"=> {saved:+.3f} ms per 28-layer step")  # fmt: skip
+    attn = [r for r in rows if r["part"] == "attn"]
+    if attn:
+        print("Decode attention, TB/s of KV read (us per layer call)")
+        cases = list(dict.fromkeys(r["case"] for r in attn))
+        backends = list(dict.fromkeys(r["backend"] for r in attn))
+        print(f"{'backend':22}" + "".join(f"{c:>20}" for c in cases))
+        for b in backends:
+            cells = []
+            for c in cases:
+                r = next((r for r in attn if r["case"] == c and r["backend"] == b), None)
+                cells.append(
+                    f"{r['TBps']:6.2f} ({r['us']:7.1f}){'!' if not r['ok'] else ' '}" if r else f"{'-':>20}"
+                )
+            print(f"{b:22}" + "".join(f"{cell:>20}" for cell in cells))
+    for r in bad:
+        print("CHECK FAILED:", r)
+
+
+def _cell(r: dict | None) -> str:
+    return f"{r['us']:7.1f} ({r['TBps']:4.2f}){'!' if not r['ok'] else ''}" if r else f"{'-':>14}"
+
+
+def _ratio(base: dict | None, new: dict | None) -> str:
+    return f"{base['us'] / new['us']:5.2f}" if base and new else f"{'-':>5}"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--part", choices=["copy", "tune", "gemv", "attn"])
+    p.add_argument("--json", default=None, help="append rows here")
+    p.add_argument("--summary", default=None, help="print the summary table of these rows and exit")
+    p.add_argument(
+        "--workers", type=int, default=min(12, os.cpu_count() or 1), help="GEMV precompile processes"
+    )
+    args = p.parse_args()
+    if args.summary:
+        summary(args.summary)
+        return 0
+    if not torch.cuda.is_available():
+        print("kernel_bench needs a CUDA device", file=sys.stderr)
+        return 2
+    t0 = time.time()
+    {"copy": lambda: part_copy(args.json), "tune": lambda: part_tune(args.workers),
+     "gemv": lambda: part_gemv(args.json, args.workers), "attn": lambda: part_attn(args.json)}[args.part]()  # fmt: skip
+    print(f"{args.part} done in {time.time() - t0:.0f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
