@@ -43,8 +43,8 @@ def test_a_short_soak_hangs_and_loses_nothing(
     kinds = ("completed", "failed_clearly", "disconnected", "hung", "lost")
     assert summary["sent"] == sum(summary[k] for k in kinds) > 0, summary
     assert (summary["hung"], summary["lost"]) == (0, 0), summary["hung_or_lost"]
-    # A failure no scenario asked for may only be the overload answer (503 + Retry-After): on a starved CPU an
-    # admission can wait out the tokenizer's 2 s per instance behind a long prefill step.
+    # A failure no scenario asked for may only be the overload answer (503 + Retry-After), which a starved CI
+    # box may give; anything else (a 500, a 504 without a deadline) fails the test.
     assert {o["status"] for o in summary["unexpected_failures"]} <= {503}, summary["unexpected_failures"]
     assert set(summary["by_scenario"]) == set(soak._scenarios()), summary["by_scenario"]
     assert summary["completed"] > 0 and summary["disconnected"] > 0 and summary["deadline_timeouts"] > 0
