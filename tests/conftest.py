@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 from kubesgl.launcher import Stack, StackConfig
-from kubesgl.nats_server import NatsServer
+from kubesgl.service.nats_server import NatsServer
 
 # Triton picks interpreter or compiler when a kernel is defined, so without CUDA the interpreter goes on
 # before any test imports kubesgl's Triton kernels: they then run on CPU tensors (tiny shapes only).

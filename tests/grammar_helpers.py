@@ -18,6 +18,7 @@ from kubesgl.structured.bitmask import Backend, apply_token_bitmask_
 from kubesgl.structured.compiler import GrammarCompiler
 from kubesgl.structured.constraint import Constraint
 from kubesgl.structured.matcher import GrammarState, TokenBitmask
+from kubesgl.values.sampling import SamplingParams
 
 QWEN3_VOCAB = 151936
 QWEN3_EOS = (151645, 151643)
@@ -85,7 +86,7 @@ def generate(
         GrammarState(compiler.compile(r.constraint), r.stop_token_ids) if r.constraint else None for r in rows
     ]
     sampler = Sampler(n, torch.device("cpu"))  # greedy rows: temperature 0
-    sampler.init_slots([SlotInit(i, 0, 0.0, -1, 1.0, 0.0, 0.0, 0.0, 1.0, 0) for i in range(n)])
+    sampler.init_slots([SlotInit(i, 0, SamplingParams(temperature=0.0), 0) for i in range(n)])
     mask = TokenBitmask(n, vocab, torch.device("cpu"))
     token_pool = torch.zeros(n, 1, dtype=torch.int64)
     out = [Generated() for _ in rows]

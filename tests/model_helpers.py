@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 from kubesgl.attention.base import AttentionMetadata
 from kubesgl.attention.torch_backend import TorchAttention
-from kubesgl.engine.forward import ForwardBatch
 from kubesgl.kv.kv_cache import KVCache
+from kubesgl.layers.forward import ForwardBatch
 from kubesgl.models.decoder import CausalLM
 
 

@@ -16,9 +16,9 @@ from bus_client import BusClient, Stream
 from conftest import StackFactory
 from kubesgl import protocol as p
 from kubesgl.engine.llm import LLM
-from kubesgl.engine.sampling import SamplingParams
 from kubesgl.launcher import Stack
 from kubesgl.text.tokenizer import ModelTokenizer
+from kubesgl.values.sampling import LogprobOptions, SamplingParams
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -106,15 +106,20 @@ async def test_chat_template_is_applied_before_generation(
 
 
 async def test_logprobs_carry_token_strings_and_bytes(client: BusClient, tokenizer: ModelTokenizer) -> None:
-    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=True, top_logprobs=2)
+    params = SamplingParams(
+        max_tokens=6,
+        temperature=0.0,
+        logprobs=LogprobOptions(top=2),
+    )
     stream = await client.generate(prompt=PROMPTS[1], params=params)
     entries = [lp for d in stream.ordered for lp in (d.logprobs or [])]
-    assert [e["token_id"] for e in entries] == stream.token_ids
+    assert [e.token_id for e in entries] == stream.token_ids
     for e in entries:
-        assert bytes(e["bytes"]) == tokenizer.token_bytes(e["token_id"])
-        assert e["token"] == tokenizer.token_text(e["token_id"])
-        assert len(e["top"]) == 2 and e["top"][0]["logprob"] >= e["top"][1]["logprob"]
-        assert e["top"][0]["token_id"] == e["token_id"]  # greedy picks the best
+        assert e.token_bytes == tokenizer.token_bytes(e.token_id)
+        assert e.token == tokenizer.token_text(e.token_id)
+        assert len(e.top) == 2 and e.top[0][1] >= e.top[1][1]
+        assert e.top[0][0] == e.token_id  # greedy picks the best
+        assert e.top_tokens == tuple(tokenizer.token_text(t) for t, _ in e.top)
 
 
 @pytest.mark.parametrize(
@@ -129,7 +134,7 @@ async def test_logprobs_carry_token_strings_and_bytes(client: BusClient, tokeniz
         ({"sampling": {"best_of": 2}}, 400, None, "unsupported sampling parameter(s): best_of"),
         ({"kind": "tokens", "prompt": None, "input_ids": [1, 10**7]}, 400, None, "outside the vocabulary"),
         ({"kind": "chat", "prompt": None, "messages": [{"role": "user", "content": 5}]}, 400, None,
-         "messages[0] must have a string role and string content"),
+         "messages[0].content must be str"),
         ({"deadline_s": -1.0}, 504, None, "deadline passed"),
         ({"rid": "two words"}, 400, None, "invalid request id"),
     ],
@@ -140,14 +145,14 @@ async def test_bad_requests_get_a_clear_error_reply(
     fields = {"prompt": PROMPTS[0], **request_fields}
     reply = await client.submit(**fields)
     assert isinstance(reply, p.ErrorReply), reply
-    assert (reply.status, reply.code) == (status, code)
-    assert message in reply.message
+    assert (reply.error.status, reply.error.code) == (status, code)
+    assert message in reply.error.message
 
 
 async def test_malformed_tokenize_body_is_refused(client: BusClient) -> None:
     msg = await client.nc.request(p.TOKENIZE, b"\x93not a map", timeout=5, headers=p.headers("r-bad"))
     reply = p.ErrorReply.from_bytes(msg.data)
-    assert (reply.rid, reply.status) == ("r-bad", 400)
+    assert (reply.rid, reply.error.status) == ("r-bad", 400)
 
 
 async def test_repeated_admission_is_idempotent(client: BusClient, mesh: Stack) -> None:
@@ -168,8 +173,8 @@ async def test_an_abort_that_overtakes_its_admission_wins(client: BusClient) -> 
     await client.nc.flush()
     await asyncio.sleep(0.2)
     reply = await client.submit(prompt=PROMPTS[0], params=GREEDY, rid="aborted-early")
-    assert isinstance(reply, p.ErrorReply) and reply.status == 400
-    assert reply.message == "request aborted-early was aborted before it was admitted"
+    assert isinstance(reply, p.ErrorReply) and reply.error.status == 400
+    assert reply.error.message == "request aborted-early was aborted before it was admitted"
 
 
 async def test_abort_frees_pages(client: BusClient, mesh: Stack) -> None:
@@ -305,7 +310,7 @@ async def test_sigterm_drains_a_tp2_scheduler_while_another_serves(
 
     async def generate_on(instance: str, rid: str, params: SamplingParams) -> p.Admitted | p.ErrorReply:
         # Straight to that instance, as a tokenizer would after routing.
-        req = p.GenerateRequest(rid, client.gateway_id, ids, p.sampling_to_dict(params), time.time() + 60)
+        req = p.GenerateRequest(rid, client.gateway_id, ids, params, time.time() + 60)
         client.streams.setdefault(rid, Stream())
         msg = await client.nc.request(p.generate_subject(instance), req.to_bytes(), timeout=10)
         return p.decode(msg.data, p.Admitted, p.ErrorReply)
@@ -317,13 +322,13 @@ async def test_sigterm_drains_a_tp2_scheduler_while_another_serves(
     endless = await generate_on(draining.instance_id, "drain-endless", endless_params)
     assert isinstance(short, p.Admitted) and isinstance(endless, p.Admitted)
     full = await generate_on(draining.instance_id, "drain-full", GREEDY)  # before "short" can finish
-    assert isinstance(full, p.ErrorReply) and full.status == 503 and "is full" in full.message
+    assert isinstance(full, p.ErrorReply) and full.error.status == 503 and "is full" in full.error.message
     while not client.streams["drain-endless"].deltas:
         await asyncio.sleep(0.01)
     draining.proc.send_signal(signal.SIGTERM)
     await asyncio.sleep(0.3)
     refused = await generate_on(draining.instance_id, "drain-late", GREEDY)
-    assert isinstance(refused, p.ErrorReply) and (refused.status, refused.message) == (
+    assert isinstance(refused, p.ErrorReply) and (refused.error.status, refused.error.message) == (
         503,
         f"scheduler instance {draining.instance_id} is draining",
     )
@@ -332,8 +337,8 @@ async def test_sigterm_drains_a_tp2_scheduler_while_another_serves(
     done = await client.result("drain-short", 15)
     assert len(done.token_ids) == 24 and done.last.error is None
     cut = await client.result("drain-endless", 15)
-    assert cut.last.error["status"] == 503
-    assert "shut down before the request finished" in cut.last.error["message"]
+    assert cut.last.error.status == 503
+    assert "shut down before the request finished" in cut.last.error.message
     assert await asyncio.to_thread(draining.proc.wait, 30) == 0
     _, alive = psutil.wait_procs(ranks, timeout=10)
     assert alive == []  # the TP rank stopped with its scheduler

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import trustme
-from kubesgl.nats_conn import NatsSettings, close, connect
-from kubesgl.nats_server import NatsServer
+from kubesgl.service.nats_conn import NatsSettings, close, connect
+from kubesgl.service.nats_server import NatsServer
 
 
 async def _round_trip(settings: NatsSettings) -> None:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from kubesgl.engine.types import RequestOutput, TokenLogprob
 from kubesgl.errors import ServiceUnavailableError
-from kubesgl.protocol import DETOK_CONTEXT_TOKENS
 from kubesgl.services.scheduler.streams import RequestStream
+from kubesgl.text.incremental import DETOK_CONTEXT_TOKENS
+from kubesgl.values.outputs import RequestOutput, TokenLogprob
 
 
 def _out(new: list[int], total: int, finished: bool = False, lps: bool = False) -> RequestOutput:
@@ -19,12 +19,12 @@ def test_tokens_produced_while_a_delta_is_in_flight_go_out_together() -> None:
     s.add(_out([1, 2], 2, lps=True), "tp-1")
     first = s.next_delta("i")
     assert first is not None and (first.seq, first.tokens, first.new_from) == (0, [1, 2], 0)
-    assert [lp["token_id"] for lp in first.logprobs] == [1, 2] and s.next_delta("i") is None
+    assert [lp.token_id for lp in first.logprobs] == [1, 2] and s.next_delta("i") is None
     s.add(_out([3], 3, lps=True), None)
     s.add(_out([4], 4, lps=True), None)
     second = s.next_delta("i")
     assert (second.seq, second.tokens, second.new_from) == (1, [1, 2, 3, 4], 2)
-    assert [lp["token_id"] for lp in second.logprobs] == [3, 4]
+    assert [lp.token_id for lp in second.logprobs] == [3, 4]
     assert (second.prompt_tokens, second.cached_tokens, second.completion_tokens) == (4, 2, 4)
 
 
@@ -54,5 +54,5 @@ def test_abandoning_sends_an_error_with_the_next_seq_and_nothing_after() -> None
     s.next_delta("i")
     s.add(_out([2], 2), None)
     err = s.abandon("i", ServiceUnavailableError("gone"))
-    assert (err.seq, err.finished, err.finish_reason, err.error["status"]) == (1, True, "abort", 503)
+    assert (err.seq, err.finished, err.finish_reason, err.error.status) == (1, True, "abort", 503)
     assert s.done and s.next_delta("i") is None

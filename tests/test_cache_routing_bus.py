@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kubesgl import protocol as p
-from kubesgl.engine.sampling import SamplingParams
 from kubesgl.launcher import ServiceProcess, Stack
+from kubesgl.values.sampling import SamplingParams
 
 from tests.bus_client import BusClient
 from tests.conftest import StackFactory

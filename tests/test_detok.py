@@ -12,15 +12,15 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import nats
 import pytest
 from kubesgl import protocol as p
-from kubesgl.engine.types import RequestOutput
-from kubesgl.nats_server import NatsServer
+from kubesgl.service.nats_server import NatsServer
+from kubesgl.service.telemetry.metrics import DetokenizerMetrics, new_registry
+from kubesgl.service.telemetry.tracing import Tracing
 from kubesgl.services.detokenizer.service import DetokenizerService
 from kubesgl.services.gateway.request_stream import RequestStream as GatewayStream
 from kubesgl.services.scheduler.streams import RequestStream
-from kubesgl.telemetry.metrics import DetokenizerMetrics, new_registry
-from kubesgl.telemetry.tracing import Tracing
 from kubesgl.text.incremental import delta_text, delta_window
 from kubesgl.text.tokenizer import ModelTokenizer
+from kubesgl.values.outputs import RequestOutput
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
@@ -267,4 +267,4 @@ async def test_bad_entries_are_refused_alone_and_a_bad_batch_gets_an_error(bus: 
     # A lone TokenDelta (the old body) or garbage: a clear 400, not silence.
     for body, why in [(good.to_bytes(), "expected a TokenDeltaBatch"), (b"\xc1", "not msgpack")]:
         reply = await bus.send(body)
-        assert isinstance(reply, p.ErrorReply) and reply.status == 400 and why in reply.message
+        assert isinstance(reply, p.ErrorReply) and reply.error.status == 400 and why in reply.error.message

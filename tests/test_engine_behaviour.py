@@ -11,6 +11,7 @@ from kubesgl import LLM, SamplingParams
 from kubesgl.engine.engine import Engine
 from kubesgl.errors import ContextLengthError, InvalidRequestError, ModelNotFoundError
 from kubesgl.models.random_init import build_random_model
+from kubesgl.values.sampling import LogprobOptions
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
@@ -148,15 +149,13 @@ def test_sampler_penalty_directions() -> None:
     s = Sampler(4, torch.device("cpu"))
     s.init_slots(
         [
-            SlotInit(0, 2, 0.0, -1, 1.0, 0.0, 0.0, 0.0, 2.0, 0),
-            SlotInit(1, 2, 0.0, -1, 1.0, 0.0, 1.0, 0.0, 1.0, 0),
+            SlotInit(0, 2, SamplingParams(temperature=0.0, repetition_penalty=2.0), 0),
+            SlotInit(1, 2, SamplingParams(temperature=0.0, presence_penalty=1.0), 0),
         ]
     )
     pool = torch.tensor([[3, 1, 3, 0], [1, 2, 3, 0], [0] * 4, [0] * 4])
     logits = torch.tensor([[1.0, 2.0, 0.5, 3.0], [1.0, 2.0, 0.5, 2.9]])
-    penalized = s._apply_penalties(
-        logits.clone(), [s._host[0], s._host[1]], torch.tensor([0, 1]), [3, 3], pool
-    )
+    penalized = s._apply_penalties(logits.clone(), torch.tensor([0, 1]), [3, 3], pool)
     assert penalized[0, 3] == pytest.approx(1.5)  # repetition: positive logit of a seen token divided
     assert penalized[0, 2] == pytest.approx(0.5)  # unseen token unchanged
     assert penalized[1, 3] == pytest.approx(
@@ -200,7 +199,14 @@ def test_logprobs_are_log_softmax_of_the_model(model: str) -> None:
 
     p = _prompt(9, 10)
     with LLM(model) as llm:
-        out = llm.generate([p], SamplingParams(max_tokens=3, temperature=0, logprobs=True, top_logprobs=3))[0]
+        out = llm.generate(
+            [p],
+            SamplingParams(
+                max_tokens=3,
+                temperature=0,
+                logprobs=LogprobOptions(top=3),
+            ),
+        )[0]
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     ids = list(p)
     for tok, lp in zip(out["token_ids"], out["logprobs"], strict=True):
@@ -256,6 +262,23 @@ def test_sequence_outgrowing_the_kv_cache_ends_with_length(model: str) -> None:
         )
         assert [o["finish_reason"] for o in outs] == ["length", "length"]
         assert _baseline(llm.engine)
+
+
+def test_max_tokens_none_runs_to_the_context_end_or_the_server_default(model: str) -> None:
+    p = _prompt(10, 21)
+    open_ended = SamplingParams(max_tokens=None, temperature=0, ignore_eos=True)
+    with LLM(model, max_seq_len_override=40) as llm:
+        out = llm.generate([p], open_ended)[0]
+        assert (len(out["token_ids"]), out["finish_reason"]) == (30, "length")  # the rest of the context
+    with LLM(model, max_seq_len_override=40, default_max_tokens=6) as llm:
+        capped, explicit = llm.generate([p, p], [open_ended, SamplingParams(max_tokens=9, ignore_eos=True)])
+        assert (len(capped["token_ids"]), capped["finish_reason"]) == (6, "length")
+        assert len(explicit["token_ids"]) == 9  # the default only fills in a missing max_tokens
+        llm.engine.add_request("near-end", _prompt(37, 22), open_ended)  # min(default, rest of context)
+        outs = []
+        while llm.engine.has_work():
+            outs += llm.engine.step()
+        assert sum(len(o.new_token_ids) for o in outs if o.rid == "near-end") == 3
 
 
 def test_llm_demo_is_the_demo_model_offline(demo_model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -24,6 +24,7 @@ from kubesgl.launcher import Stack
 from kubesgl.protocol import SchedulerStats, stats_subject
 from kubesgl.shell import ChatSession, repl, sampling_of
 from kubesgl.text.tokenizer import ModelTokenizer
+from kubesgl.values.sampling import LogprobOptions
 from prompt_toolkit import PromptSession
 from prompt_toolkit.input import create_pipe_input
 from prompt_toolkit.output import DummyOutput
@@ -176,7 +177,7 @@ def test_stop_strings_truncate_the_offline_text(client, offline, tokenizer) -> N
 
 def test_logprobs_match_the_offline_llm(client, offline, tokenizer) -> None:
     ids = _chat_ids(tokenizer, PROMPTS[0])
-    ref = _greedy(offline, ids, logprobs=True, top_logprobs=2)
+    ref = _greedy(offline, ids, logprobs=LogprobOptions(top=2))
     r = client.chat.completions.create(
         model=MODEL,
         messages=[{"role": "user", "content": PROMPTS[0]}],

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kubesgl.errors import ServiceUnavailableError
-from kubesgl.protocol import TextDelta
+from kubesgl.protocol import ErrorInfo, TextDelta
 from kubesgl.services.gateway.request_stream import RequestStream
 
 
@@ -51,8 +51,8 @@ async def test_a_gap_is_measured_until_it_fills() -> None:
 async def test_errors_and_failures_skip_the_queue() -> None:
     s = RequestStream("r")
     s.adopt("a")
-    s.offer(_d(5, error={"status": 500, "message": "boom"}))
+    s.offer(_d(5, error=ErrorInfo(status=500, type="internal_error", message="boom")))
     s.fail(ServiceUnavailableError("lost"))
     first, second = await s.next(0.01), await s.next(0.01)
-    assert first is not None and first.error["message"] == "boom"
-    assert second is not None and second.error["message"] == "lost" and second.finished
+    assert first is not None and first.error.message == "boom"
+    assert second is not None and second.error.message == "lost" and second.finished

@@ -14,7 +14,6 @@ import httpx
 import nats
 import pytest
 from gateway_helpers import GatewayProcess, free_port, wait_http
-from kubesgl.nats_server import NatsServer
 from kubesgl.protocol import (
     ABORT,
     HEARTBEAT,
@@ -22,14 +21,17 @@ from kubesgl.protocol import (
     TOKENIZER_QUEUE,
     Abort,
     Admitted,
+    ErrorInfo,
     ErrorReply,
     Heartbeat,
     SchedulerStats,
     TextDelta,
     TokenizeRequest,
+    TokenLogprob,
     gateway_subject,
     stats_subject,
 )
+from kubesgl.service.nats_server import NatsServer
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
@@ -246,11 +248,13 @@ async def test_a_lost_admission_reply_is_retried_with_the_same_rid(gateway, mesh
 async def test_refusals_keep_their_status_and_openai_body(gateway, mesh) -> None:
     mesh.reply = lambda req: ErrorReply(
         rid=req.rid,
-        status=400,
-        type="invalid_request_error",
-        code="context_length_exceeded",
-        param="messages",
-        message="too long",
+        error=ErrorInfo(
+            status=400,
+            type="invalid_request_error",
+            code="context_length_exceeded",
+            param="messages",
+            message="too long",
+        ),
     )
     async with httpx.AsyncClient(base_url=gateway.url, timeout=20) as client:
         r = await client.post("/v1/chat/completions", json=_chat(stream=True))
@@ -322,7 +326,7 @@ async def test_n_fans_out_into_indexed_child_requests(gateway, mesh) -> None:
     rids = sorted(req.rid for req in mesh.requests)
     assert rids[0].endswith("-0") and rids[1].endswith("-1") and rids[0][:-2] == rids[1][:-2]
     assert [c["message"]["content"] for c in body["choices"]] == ["0", "1"]
-    assert sorted(req.sampling["seed"] for req in mesh.requests) == [7, 8]
+    assert sorted(req.sampling.seed for req in mesh.requests) == [7, 8]
     assert body["usage"] == {
         "prompt_tokens": 3,
         "completion_tokens": 2,
@@ -386,13 +390,15 @@ async def test_the_deadline_header_ends_a_silent_request_with_504(gateway, mesh)
 
 async def test_logprobs_are_passed_through_in_openai_shape(gateway, mesh) -> None:
     lp = [
-        {
-            "token": "hi",
-            "token_id": 100,
-            "logprob": -0.5,
-            "bytes": [104, 105],
-            "top": [{"token": "hi", "token_id": 100, "logprob": -0.5, "bytes": [104, 105]}],
-        }
+        TokenLogprob(
+            100,
+            -0.5,
+            ((100, -0.5),),
+            token="hi",
+            token_bytes=bytes([104, 105]),
+            top_tokens=("hi",),
+            top_bytes=(bytes([104, 105]),),
+        )
     ]
     mesh.plan = lambda req: [_delta(req.rid, mesh.instance, 0, "hi", finished=True, logprobs=lp)]
     async with httpx.AsyncClient(base_url=gateway.url, timeout=20) as client:
@@ -403,7 +409,7 @@ async def test_logprobs_are_passed_through_in_openai_shape(gateway, mesh) -> Non
     content = chat["choices"][0]["logprobs"]["content"]
     assert content[0]["token"] == "hi" and content[0]["top_logprobs"][0]["logprob"] == -0.5
     assert cmpl["choices"][0]["logprobs"]["token_logprobs"] == [-0.5]
-    assert mesh.requests[-1].sampling["top_logprobs"] == 1
+    assert mesh.requests[-1].sampling.logprobs.top == 1
 
 
 async def test_output_lost_across_a_nats_restart_ends_with_a_clear_error(gateway, nats_srv) -> None:

@@ -10,11 +10,11 @@ import pytest
 import torch
 from kubesgl.kernels import activation_triton, fused_moe_triton, norm_triton, qkv_prep_triton, rotary_triton
 from kubesgl.kernels.activation import silu_and_mul, silu_and_mul_torch
-from kubesgl.kernels.fused_moe import fused_moe
+from kubesgl.kernels.fused_moe import experts_forward, fused_moe
 from kubesgl.kernels.norm import fused_add_rms_norm, rms_norm, rms_norm_torch
 from kubesgl.kernels.qkv_prep import qkv_prep_torch
 from kubesgl.kernels.rotary import apply_rotary_neox, apply_rotary_neox_torch
-from kubesgl.layers.moe import experts_forward, route_topk
+from kubesgl.layers.moe import route_topk
 from kubesgl.layers.rotary import RotaryEmbedding
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
 

@@ -114,6 +114,32 @@ def test_up_serves_the_demo_model_and_ctrl_c_leaves_no_process(demo_model_dir: s
             proc.wait()
 
 
+def test_up_caps_a_demo_request_without_max_tokens(demo_model_dir: str) -> None:
+    """OpenAI's quickstart sends no max_tokens; the demo model never picks EOS, so `kubesgl up` serves it with a
+    server-side default (printed at start-up) instead of running to the end of its 40k-token context."""
+    port = free_port()
+    proc = _up(demo_model_dir, port)
+    try:
+        lines = _lines(proc)
+        cap = _wait_for(lines, "a request without max_tokens gets at most", 240)
+        assert "256 tokens" in cap
+        _wait_for(lines, "serving `demo` at", 240)
+        reply = httpx.post(
+            f"http://127.0.0.1:{port}/v1/chat/completions",
+            json={"model": "demo", "messages": [{"role": "user", "content": "Hello"}], "temperature": 0},
+            timeout=120,
+        )
+        assert reply.status_code == 200, reply.text
+        body = reply.json()
+        assert body["usage"]["completion_tokens"] == 256 and body["choices"][0]["finish_reason"] == "length"
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(90) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_up_takes_the_stack_down_when_a_service_dies(demo_model_dir: str) -> None:
     proc = _up(demo_model_dir, free_port(), "--gateways", "0")
     try:

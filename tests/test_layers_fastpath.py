@@ -12,9 +12,10 @@ import torch
 from kubesgl.distributed import TPGroup
 from kubesgl.kernels import fused_moe
 from kubesgl.kernels.activation import silu_and_mul_torch
+from kubesgl.kernels.fused_moe import experts_forward
 from kubesgl.kernels.norm import rms_norm_torch
 from kubesgl.layers.activation import SiluAndMul
-from kubesgl.layers.moe import SparseMoeBlock, experts_forward
+from kubesgl.layers.moe import SparseMoeBlock
 from kubesgl.layers.norm import RMSNorm
 from kubesgl.layers.rotary import RotaryEmbedding
 from test_kernels import randn, rel_err

@@ -20,8 +20,8 @@ import pytest
 import torch
 from bus_client import BusClient
 from conftest import StackFactory
-from kubesgl.engine.sampling import SamplingParams
 from kubesgl.launcher import Stack, free_port, http_ok
+from kubesgl.values.sampling import SamplingParams
 from test_chart import VALUE_SETS, render
 from test_kustomize import merged
 

@@ -15,22 +15,18 @@ from kubesgl.openai_api.responses import (
     sse,
     usage_of,
 )
-from kubesgl.protocol import error_from_dict
+from kubesgl.protocol import ErrorInfo, FinishReason, TokenLogprob
 
 LP = [
-    {
-        "token": "he",
-        "token_id": 5,
-        "logprob": -0.1,
-        "bytes": [104, 101],
-        "top": [{"token": "he", "logprob": -0.1}],
-    },
-    {"token": "llo", "token_id": 6, "logprob": -0.2, "bytes": [108, 108, 111], "top": []},
+    TokenLogprob(5, -0.1, ((5, -0.1),), token="he", token_bytes=bytes([104, 101]), top_tokens=("he",)),
+    TokenLogprob(6, -0.2, token="llo", token_bytes=bytes([108, 108, 111])),
 ]
 
 
 def _choice(i: int, **kw) -> ChoiceResult:
-    return ChoiceResult(i, "hello", "stop", prompt_tokens=10, cached_tokens=4, completion_tokens=2, **kw)
+    return ChoiceResult(
+        i, "hello", FinishReason.STOP, prompt_tokens=10, cached_tokens=4, completion_tokens=2, **kw
+    )
 
 
 def test_usage_counts_each_prompt_once_and_sums_completions() -> None:
@@ -74,9 +70,9 @@ def test_chunks_and_sse_framing() -> None:
 
 
 def test_wire_errors_keep_their_status_and_code() -> None:
-    err = error_from_dict(
-        {"status": 400, "type": "invalid_request_error", "code": "context_length_exceeded", "message": "long"}
-    )
+    err = ErrorInfo(
+        status=400, type="invalid_request_error", code="context_length_exceeded", message="long"
+    ).to_error()
     assert isinstance(err, ContextLengthError) and err.status == 400
     assert error_body(err) == {
         "error": {
@@ -86,4 +82,4 @@ def test_wire_errors_keep_their_status_and_code() -> None:
             "code": "context_length_exceeded",
         }
     }
-    assert error_from_dict({"status": 503, "message": "gone"}).type == "service_unavailable"
+    assert ErrorInfo(status=503, type="", message="gone").to_error().type == "service_unavailable"

@@ -10,6 +10,8 @@ from kubesgl.openai_api.generation_spec import chat_spec, completion_spec, nativ
 from kubesgl.openai_api.http_errors import error_from_validation
 from kubesgl.openai_api.prompt_inputs import chat_messages, completion_prompts
 from kubesgl.openai_api.request_models import ChatCompletionRequest, CompletionRequest, NativeGenerateRequest
+from kubesgl.protocol import ChatMessage
+from kubesgl.values.sampling import LogprobOptions
 from pydantic import ValidationError
 
 MSG = [{"role": "user", "content": "hi"}]
@@ -57,7 +59,7 @@ def test_chat_fields_become_sampling_params() -> None:
     p = spec.params
     assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.min_p) == (7, 0.5, 0.9, 5, 0.1)
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.2, 0.3, 1.1)
-    assert (p.seed, p.stop_token_ids, p.ignore_eos, p.logprobs, p.top_logprobs) == (3, (9,), True, True, 2)
+    assert (p.seed, p.stop_token_ids, p.ignore_eos, p.logprobs) == (3, (9,), True, LogprobOptions(top=2))
     assert spec.stop == ("a", "b") and spec.n == 2 and spec.stream and spec.include_usage
     assert spec.params_for_choice(0).seed == 3 and spec.params_for_choice(1).seed == 4
 
@@ -65,15 +67,15 @@ def test_chat_fields_become_sampling_params() -> None:
 def test_defaults_follow_openai() -> None:
     spec = _chat()
     p = spec.params
-    assert (p.temperature, p.top_p, p.top_k, p.logprobs) == (1.0, 1.0, -1, False)
-    # No max_tokens: the rest of the context, which the tokenizer fills in once it knows the prompt's length.
-    assert spec.open_ended and spec.wire_sampling(0)["max_tokens"] is None
-    assert _chat(max_tokens=5).wire_sampling(0)["max_tokens"] == 5
+    assert (p.temperature, p.top_p, p.top_k, p.logprobs) == (1.0, 1.0, -1, None)
+    # No max_tokens: the rest of the context, which the engine resolves once it knows the prompt's length.
+    assert spec.params.max_tokens is None and spec.params_for_choice(1).max_tokens is None
+    assert _chat(max_tokens=5).params_for_choice(0).max_tokens == 5
 
 
 def test_completion_logprobs_int_means_top_n() -> None:
     p = _completion(logprobs=3, max_tokens=5, stop="x").params
-    assert p.logprobs and p.top_logprobs == 3 and p.max_tokens == 5
+    assert p.logprobs and p.logprobs.top == 3 and p.max_tokens == 5
     assert _completion(logprobs=0).params.logprobs
 
 
@@ -130,7 +132,7 @@ def test_prompt_shapes() -> None:
     assert [p.text for p in completion_prompts(["a", "b"])] == ["a", "b"]
     assert completion_prompts([1, 2])[0].input_ids == (1, 2)
     assert [p.input_ids for p in completion_prompts([[1], [2, 3]])] == [(1,), (2, 3)]
-    assert completion_prompts("x")[0].kind == "completion" and completion_prompts([1])[0].kind == "tokens"
+    assert completion_prompts("x")[0].text == "x" and completion_prompts([1])[0].input_ids == (1,)
 
 
 def test_chat_content_parts_are_joined_and_developer_is_system() -> None:
@@ -143,10 +145,10 @@ def test_chat_content_parts_are_joined_and_developer_is_system() -> None:
             ],
         }
     )
-    assert chat_messages(req.messages) == [
-        {"role": "system", "content": "be brief"},
-        {"role": "user", "content": "a\nb"},
-    ]
+    assert chat_messages(req.messages) == (
+        ChatMessage(role="system", content="be brief"),
+        ChatMessage(role="user", content="a\nb"),
+    )
 
 
 def test_native_request_maps_sglang_names() -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import msgpack
 import pytest
 from kubesgl import protocol as p
-from kubesgl.engine.sampling import SamplingParams
 from kubesgl.errors import ContextLengthError, KubesglError, ServiceUnavailableError
+from kubesgl.values.sampling import LogprobOptions, SamplingParams
 
 
 def _delta(rid: str, seq: int = 0, gateway_id: str = "gw-a", tokens: int = 3) -> p.TokenDelta:
@@ -17,27 +17,27 @@ def _delta(rid: str, seq: int = 0, gateway_id: str = "gw-a", tokens: int = 3) ->
         seq=seq,
         tokens=list(range(5, 5 + tokens)),
         new_from=min(2, tokens),
-        logprobs=[{"token_id": 7, "logprob": -0.5, "top": [[7, -0.5], [8, -1.0]]}],
+        logprobs=[p.TokenLogprob(7, -0.5, ((7, -0.5), (8, -1.0)))],
         traceparent="00-ab-cd-01",
     )
 
 
 def _samples() -> list[p.Message]:
-    sampling = p.sampling_to_dict(SamplingParams(max_tokens=4, temperature=0.0, stop_token_ids=(7, 9)))
+    sampling = SamplingParams(max_tokens=4, temperature=0.0, stop_token_ids=(7, 9))
     return [
         p.TokenizeRequest(
             rid="r1",
             gateway_id="gw-a",
             model="demo",
-            kind="chat",
+            kind=p.PromptKind.CHAT,
             sampling=sampling,
             deadline=123.5,
-            messages=[{"role": "user", "content": "你好 👋"}],
+            messages=(p.ChatMessage(role="user", content="你好 👋"),),
             chat_template_kwargs={"enable_thinking": False},
         ),
         p.GenerateRequest(rid="r1", gateway_id="gw-a", input_ids=[1, 2, 3], sampling=sampling, deadline=1.0),
         p.Admitted(rid="r1", instance_id="sched-0", prompt_tokens=3),
-        p.ErrorReply(rid="r1", status=400, type="invalid_request_error", message="bad", param="max_tokens"),
+        p.ErrorReply(rid="r1", error=p.ErrorInfo(400, "invalid_request_error", "bad", param="max_tokens")),
         p.Abort(rid="r1"),
         p.Heartbeat(
             instance_id="sched-0",
@@ -63,7 +63,7 @@ def _samples() -> list[p.Message]:
             text="中",
             token_ids=[7],
             finished=True,
-            finish_reason="stop",
+            finish_reason=p.FinishReason.STOP,
         ),
         p.SchedulerStats(
             instance_id="sched-0",
@@ -119,23 +119,30 @@ def test_error_reply_rebuilds_the_typed_error() -> None:
         "messages",
         "too long",
     )
-    odd = p.error_from_dict({"status": 418, "type": "teapot", "code": "x", "message": "m"})
+    odd = p.ErrorInfo(status=418, type="teapot", code="x", message="m").to_error()
     assert type(odd) is KubesglError and (odd.status, odd.type, odd.code) == (418, "teapot", "x")
 
 
+def _generate_with(sampling: dict) -> bytes:
+    body = msgpack.unpackb(p.GenerateRequest("r", "g", [1], SamplingParams(), 1.0).to_bytes())
+    return msgpack.packb({**body, "sampling": sampling})
+
+
 def test_sampling_dict_round_trips_and_rejects_unknown_fields() -> None:
-    params = SamplingParams(max_tokens=3, temperature=0.5, stop_token_ids=(1,), seed=4, logprobs=True)
-    wire = msgpack.unpackb(msgpack.packb(p.sampling_to_dict(params)))
-    assert p.sampling_from_dict(wire) == params
+    params = SamplingParams(
+        max_tokens=3, temperature=0.5, stop_token_ids=(1,), seed=4, logprobs=LogprobOptions(top=2)
+    )
+    wire = p.GenerateRequest("r", "g", [1], params, 1.0).to_bytes()
+    assert p.GenerateRequest.from_bytes(wire).sampling == params
     with pytest.raises(KubesglError, match="best_of"):
-        p.sampling_from_dict({"best_of": 2})
-    with pytest.raises(KubesglError, match="temperature"):
-        p.sampling_from_dict({"temperature": -1.0})
+        p.GenerateRequest.from_bytes(_generate_with({"best_of": 2}))
+    with pytest.raises(KubesglError, match="temperature"):  # the engine's gate (SamplingParams.validate)
+        p.GenerateRequest.from_bytes(_generate_with({"temperature": -1.0})).sampling.validate()
 
 
 def test_subjects_are_versioned_and_reject_unsafe_names() -> None:
-    assert p.generate_subject("sched-0") == "kubesgl.v1.sched.sched-0.generate"
-    assert p.gateway_subject("gw-1") == "kubesgl.v1.gw.gw-1"
+    assert p.generate_subject("sched-0") == "kubesgl.v2.sched.sched-0.generate"
+    assert p.gateway_subject("gw-1") == "kubesgl.v2.gw.gw-1"
     for bad in ["", "a.b", "a*", ">", "a b"]:
         with pytest.raises(ValueError):
             p.gateway_subject(bad)
@@ -182,3 +189,59 @@ def test_batches_are_cut_to_the_byte_budget_and_an_oversized_delta_goes_alone() 
 def test_malformed_batches_and_acks_raise_protocol_error(cls: type[p.Message], body: dict) -> None:
     with pytest.raises(p.ProtocolError):
         cls.from_bytes(msgpack.packb(body, use_bin_type=True))
+
+
+def test_fields_decode_to_their_declared_types() -> None:
+    req = p.TokenizeRequest.from_bytes(_samples()[0].to_bytes())
+    assert req.kind is p.PromptKind.CHAT and isinstance(req.messages[0], p.ChatMessage)
+    assert isinstance(req.sampling, SamplingParams) and req.sampling.stop_token_ids == (7, 9)
+    delta = p.TokenDelta.from_bytes(_delta("r1").to_bytes())
+    assert isinstance(delta.logprobs[0], p.TokenLogprob) and delta.logprobs[0].top == ((7, -0.5), (8, -1.0))
+    text = p.TextDelta.from_bytes(_samples()[9].to_bytes())
+    assert text.finish_reason is p.FinishReason.STOP
+    err = p.ErrorReply.from_bytes(p.ErrorReply.from_error("r", ServiceUnavailableError("x")).to_bytes())
+    assert err.error == p.ErrorInfo(503, "service_unavailable", "x")
+
+
+def _body(msg: p.Message) -> dict:
+    return msgpack.unpackb(msg.to_bytes())
+
+
+@pytest.mark.parametrize(
+    ("patch", "where"),
+    [
+        (lambda b: b["sampling"].update(temperature="hot"), "sampling.temperature must be a number, not str"),
+        (lambda b: b["sampling"].update(seed=True), "sampling.seed must be int, not bool"),
+        (lambda b: b["sampling"].update(stop_token_ids=[1, "2"]), "sampling.stop_token_ids must be an array"),
+        (lambda b: b["sampling"].update(logprobs={"top": 1.5}), "sampling.logprobs.top must be int"),
+        (lambda b: b.update(kind="essay"), "kind must be one of 'chat', 'completion', 'tokens'"),
+        (lambda b: b["messages"][0].update(role=None), "messages[0].role must be str, not NoneType"),
+        (lambda b: b.update(messages={"role": "user"}), "messages must be an array"),
+        (lambda b: b.update(chat_template_kwargs={1: 2}), "chat_template_kwargs[1] must be str, not int"),
+        (lambda b: b.pop("deadline"), "is incomplete"),
+    ],
+)
+def test_a_value_of_the_wrong_type_is_refused_naming_where_it_sits(patch, where: str) -> None:
+    body = _body(_samples()[0])
+    patch(body)
+    with pytest.raises(p.ProtocolError, match="^malformed TokenizeRequest: ") as info:
+        p.TokenizeRequest.from_bytes(msgpack.packb(body))
+    assert where in str(info.value)
+
+
+def test_an_int_is_a_float_and_unknown_nested_fields_are_ignored_except_in_sampling() -> None:
+    body = _body(_delta("r1"))
+    body["logprobs"][0]["added_in_v2_1"] = 1
+    body["logprobs"][0]["logprob"] = -1
+    delta = p.TokenDelta.from_bytes(msgpack.packb(body))
+    assert delta.logprobs[0].logprob == -1.0 and isinstance(delta.logprobs[0].logprob, float)
+    gen = _body(_samples()[1])
+    gen["sampling"]["logprobs"] = {"top": 2, "prompt_from": 0}
+    with pytest.raises(KubesglError, match=r"unsupported sampling parameter\(s\): prompt_from") as info:
+        p.GenerateRequest.from_bytes(msgpack.packb(gen))
+    assert info.value.status == 400 and info.value.param == "prompt_from"
+
+
+def test_an_open_ended_max_tokens_travels_as_none() -> None:
+    req = p.GenerateRequest("r", "g", [1], SamplingParams(max_tokens=None), 1.0)
+    assert p.GenerateRequest.from_bytes(req.to_bytes()).sampling.max_tokens is None

@@ -20,25 +20,15 @@ from kubesgl.engine.runner import _page_cells
 from kubesgl.engine.sampler import Sampler, greedy_tokens, temperature_tokens
 from kubesgl.engine.transfer import PinnedStaging
 from kubesgl.models.random_init import build_random_model
+from kubesgl.values.sampling import LogprobOptions
 
 CPU = torch.device("cpu")
 # The Gumbel kernel runs compiled on a CUDA machine and in Triton's interpreter on CPU tensors elsewhere.
 KDEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def slot_init(slot: int, **params: float | int | bool) -> SlotInit:
-    base = dict(
-        prompt_len=3,
-        temperature=1.0,
-        top_k=-1,
-        top_p=1.0,
-        min_p=0.0,
-        presence_penalty=0.0,
-        frequency_penalty=0.0,
-        repetition_penalty=1.0,
-        seed=0,
-    )
-    return SlotInit(slot, **{**base, **params})
+def slot_init(slot: int, seed: int = 0, seed_given: bool = False, **params: float | int) -> SlotInit:
+    return SlotInit(slot, 3, SamplingParams(**params, seed=seed if seed_given else None), seed)
 
 
 # --- CPU: the captured functions equal the eager code -------------------------------------------------
@@ -79,7 +69,7 @@ def test_temperature_tokens_draw_what_the_eager_sampler_draws() -> None:
     )
     torch.manual_seed(7)
     slot_t = torch.tensor(slots)
-    fast = temperature_tokens(logits, sampler.temperature[slot_t], sampler.greedy_rows(slot_t))
+    fast = temperature_tokens(logits, sampler.temperature[slot_t], sampler.greedy[slot_t])
     assert fast.tolist() == eager.tolist()
     argmax = logits.argmax(dim=-1)
     assert fast[1] == argmax[1] and fast[4] == argmax[4]
@@ -229,7 +219,10 @@ def test_graph_greedy_equals_eager_sampler_bit_for_bit(gpu_model: str) -> None:
 def test_graphs_with_overlap_match_an_eager_engine(gpu_model: str) -> None:
     """float32 Triton: graphs + overlap against graphs off + overlap off, up to a near-tie in the logits."""
     ref_params = SamplingParams(
-        max_tokens=N_NEW, temperature=0, ignore_eos=True, logprobs=True, top_logprobs=2
+        max_tokens=N_NEW,
+        temperature=0,
+        ignore_eos=True,
+        logprobs=LogprobOptions(top=2),
     )
     ref = _generate(
         gpu_model, ref_params, dtype="float32", attn="triton", cuda_graph_max_bs=0, disable_overlap=True

@@ -17,18 +17,18 @@ from collections.abc import AsyncIterator, Callable
 import nats
 import pytest
 from kubesgl import protocol as p
-from kubesgl.engine.sampling import SamplingParams
-from kubesgl.engine.types import EngineStats, ModelInfo, RequestOutput
-from kubesgl.nats_server import NatsServer
+from kubesgl.service.nats_server import NatsServer
+from kubesgl.service.telemetry.metrics import DetokenizerMetrics, SchedulerMetrics, new_registry
+from kubesgl.service.telemetry.scheduler import SchedulerTelemetry
+from kubesgl.service.telemetry.tracing import Tracing
 from kubesgl.services.detokenizer.service import DetokenizerService
 from kubesgl.services.gateway.request_stream import RequestStream as GatewayStream
 from kubesgl.services.scheduler import app as scheduler_app
 from kubesgl.services.scheduler.engine_loop import AbortRequest, AddRequest, Command, QueryStats
 from kubesgl.services.scheduler.service import SchedulerService
-from kubesgl.telemetry.metrics import DetokenizerMetrics, SchedulerMetrics, new_registry
-from kubesgl.telemetry.scheduler import SchedulerTelemetry
-from kubesgl.telemetry.tracing import Tracing
 from kubesgl.text.tokenizer import ModelTokenizer
+from kubesgl.values.outputs import EngineStats, ModelInfo, RequestOutput
+from kubesgl.values.sampling import SamplingParams
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from prometheus_client import CollectorRegistry
@@ -139,7 +139,7 @@ class Bus:
         self.text_deltas.append(p.TextDelta.from_bytes(msg.data))
 
     async def admit(self, n: int, max_tokens: int) -> list[str]:
-        sampling = p.sampling_to_dict(SamplingParams(max_tokens=max_tokens))
+        sampling = SamplingParams(max_tokens=max_tokens)
         rids = [f"r{i}" for i in range(n)]
         for i, rid in enumerate(rids):
             req = p.GenerateRequest(rid, f"gw-{'ab'[i % 2]}", [1, 2, 3], sampling, time.time() + 60)

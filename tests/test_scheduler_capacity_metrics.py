@@ -12,8 +12,8 @@ from collections.abc import Iterator
 import pytest
 from bus_client import BusClient
 from conftest import TEST_SCHEDULER_ARGS, StackFactory
-from kubesgl.engine.sampling import SamplingParams
 from kubesgl.launcher import Stack
+from kubesgl.values.sampling import SamplingParams
 from prometheus_client.parser import text_string_to_metric_families
 
 PAGES, PAGE_SIZE = 120, 4  # room for about two of the requests below at once: the scheduler must preempt

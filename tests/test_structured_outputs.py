@@ -433,16 +433,10 @@ def test_masking_backends_agree_with_the_definition(dtype, rows) -> None:  # typ
         assert torch.equal(got, expected), backend
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine/sampler.py seeded_uniform returns exactly 1.0 when (x >> 8) == 2**24 - 1 ((2**24 - 0.5) / "
-    "2**24 rounds to 1.0 in float32), so the noise -log(u) is 0 and a masked (or top-k/top-p filtered) "
-    "token's 0 / 0 = NaN wins the argmax: about 1 % of steps over a 152k vocabulary. Fix: (x >> 9) + 0.5) "
-    "/ 2**23, or drop zero-probability rows before the race.",
-)
 def test_seeded_engine_sampling_never_picks_a_masked_token() -> None:
     from kubesgl.engine.plan import SlotInit
     from kubesgl.engine.sampler import Sampler
+    from kubesgl.values.sampling import SamplingParams
 
     # seed 11 at position 71 draws u == 1.0 for token 99656 (found by scanning seeded_uniform).
     banned = 99656
@@ -450,9 +444,21 @@ def test_seeded_engine_sampling_never_picks_a_masked_token() -> None:
     mask[0, banned // 32] &= ~(1 << (banned % 32))
     logits = apply_token_bitmask_(torch.zeros(1, QWEN3_VOCAB), mask)
     sampler = Sampler(1, torch.device("cpu"))
-    sampler.init_slots([SlotInit(0, 0, 1.0, -1, 1.0, 0.0, 0.0, 0.0, 1.0, 11, seed_given=True)])
+    sampler.init_slots([SlotInit(0, 0, SamplingParams(temperature=1.0, seed=11), 11)])
     token = sampler.sample(logits, [0], [71], torch.zeros(1, 1, dtype=torch.int64), [-1])[0]
     assert int(token) != banned
+
+
+def test_seeded_noise_stays_inside_zero_one_and_zero_noise_never_picks_a_zero_probability() -> None:
+    # The bug above: seeded_uniform could round to exactly 1.0 (zero noise), and 0 / 0 = NaN won the race.
+    from kubesgl.engine.sampler import exponential_race, seeded_uniform
+
+    seeds = torch.arange(64, dtype=torch.int64) * 0x9E3779B97F4A7C15 % 2**63
+    u = seeded_uniform(seeds, torch.arange(64, dtype=torch.int64) * 131, QWEN3_VOCAB)
+    assert float(u.min()) > 0.0 and float(u.max()) < 1.0
+    probs = torch.tensor([[0.0, 0.3, 0.7], [0.5, 0.0, 0.5]])
+    noise = torch.tensor([[0.0, 1.0, 1.0], [1.0, 0.0, 2.0]])  # a zero draw on a zero-probability token
+    assert exponential_race(probs, noise).tolist() == [2, 0]
 
 
 @pytest.mark.gpu

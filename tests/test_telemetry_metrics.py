@@ -5,8 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from kubesgl.engine.types import EngineStats
-from kubesgl.telemetry.metrics import (
+from kubesgl.service.telemetry.metrics import (
     DetokenizerMetrics,
     GatewayMetrics,
     NatsMetrics,
@@ -16,6 +15,7 @@ from kubesgl.telemetry.metrics import (
     new_registry,
     render,
 )
+from kubesgl.values.outputs import EngineStats
 from prometheus_client import CollectorRegistry
 
 MODEL = {"model_name": "qwen3-tiny"}

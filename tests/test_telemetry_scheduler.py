@@ -6,10 +6,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from kubesgl.engine.types import RequestOutput
-from kubesgl.telemetry.metrics import SchedulerMetrics
-from kubesgl.telemetry.scheduler import SchedulerTelemetry
-from kubesgl.telemetry.tracing import (
+from kubesgl.service.telemetry.metrics import SchedulerMetrics
+from kubesgl.service.telemetry.scheduler import SchedulerTelemetry
+from kubesgl.service.telemetry.tracing import (
     SPAN_DECODE,
     SPAN_PREFILL,
     SPAN_QUEUE,
@@ -17,6 +16,7 @@ from kubesgl.telemetry.tracing import (
     Tracing,
     traceparent,
 )
+from kubesgl.values.outputs import RequestOutput
 from otlp_receiver import OtlpReceiver, ReceivedSpan
 from prometheus_client import CollectorRegistry
 

@@ -12,11 +12,12 @@ import nats
 import pytest
 from bus_client import BusClient
 from kubesgl import protocol as p
+from kubesgl.errors import ServiceUnavailableError
 from kubesgl.routing import SchedulerRegistry, make_router
+from kubesgl.service.telemetry.metrics import TokenizerMetrics, new_registry
+from kubesgl.service.telemetry.tracing import Tracing
 from kubesgl.services.tokenizer.request_router import RequestRouter
 from kubesgl.services.tokenizer.service import TokenizerService
-from kubesgl.telemetry.metrics import TokenizerMetrics, new_registry
-from kubesgl.telemetry.tracing import Tracing
 from kubesgl.text.tokenizer import ModelTokenizer
 
 INSTANCE = "slow-0"
@@ -54,9 +55,7 @@ class FakeSlowScheduler:
     async def _answer(self, msg: nats.aio.msg.Msg, req: p.GenerateRequest) -> None:
         await asyncio.shield(self._admitted[req.rid])
         if self.refuse:
-            reply: p.Message = p.ErrorReply(
-                rid=req.rid, status=503, type="service_unavailable", message="full"
-            )
+            reply: p.Message = p.ErrorReply.from_error(req.rid, ServiceUnavailableError("full"))
         else:
             reply = p.Admitted(rid=req.rid, instance_id=INSTANCE, prompt_tokens=len(req.input_ids))
         await msg.respond(reply.to_bytes())
@@ -123,7 +122,7 @@ async def test_a_full_scheduler_is_still_a_503_at_once(nats_server, demo_model_d
         await asyncio.sleep(0.3)
         start = time.monotonic()
         reply = await client.submit(prompt="hello", sampling={"max_tokens": 4}, attempt_timeout_s=5.0)
-        assert isinstance(reply, p.ErrorReply) and reply.status == 503, reply
+        assert isinstance(reply, p.ErrorReply) and reply.error.status == 503, reply
         assert time.monotonic() - start < 2.0
     finally:
         await client.close()

@@ -11,7 +11,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kubesgl.openai_api.http_errors import error_from_validation
 from kubesgl.openai_api.request_models import ChatCompletionRequest, CompletionRequest
-from kubesgl.protocol import MAX_JSON_DEPTH, MAX_JSON_STRING, TokenizeRequest, json_value_error
+from kubesgl.protocol import (
+    MAX_JSON_DEPTH,
+    MAX_JSON_STRING,
+    PromptKind,
+    SamplingParams,
+    TokenizeRequest,
+    json_value_error,
+)
 from pydantic import ValidationError
 
 BASE = {"model": "demo", "messages": [{"role": "user", "content": ""}], "max_tokens": 4, "n": 2}
@@ -107,8 +114,8 @@ def test_accepted_free_form_json_always_encodes(kwargs: dict[str, Any]) -> None:
         rid="r",
         gateway_id="g",
         model="demo",
-        kind="chat",
-        sampling={},
+        kind=PromptKind.CHAT,
+        sampling=SamplingParams(),
         deadline=1.0,
         chat_template_kwargs=req.chat_template_kwargs,
     )

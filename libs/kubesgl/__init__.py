@@ -14,7 +14,7 @@ def __getattr__(name: str):
 
         return LLM
     if name == "SamplingParams":
-        from kubesgl.engine.sampling import SamplingParams
+        from kubesgl.values.sampling import SamplingParams
 
         return SamplingParams
     raise AttributeError(name)

@@ -26,13 +26,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 
-from kubesgl.nats_server import NatsServer
-from kubesgl.process import parent_death_signal, terminate
+from kubesgl.service.nats_server import NatsServer
+from kubesgl.service.process import parent_death_signal, terminate
 
 KINDS = ("scheduler", "detokenizer", "tokenizer", "gateway")  # start order: engines load meanwhile
 # Stop order: stop taking traffic first; detokenizers last so draining schedulers can still flush output.
 STOP_ORDER = ("gateway", "tokenizer", "scheduler", "detokenizer")
 DEMO = "demo"
+# The demo's random weights never pick EOS: without a cap, a request without max_tokens runs to the context end.
+DEMO_DEFAULT_MAX_TOKENS = 256
 
 
 @dataclass(frozen=True)
@@ -363,6 +365,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     model_path, name = resolve_model(args.model, args.served_model_name)
+    scheduler_args = shlex.split(args.scheduler_args)
+    demo_cap = args.model == DEMO and "--default-max-tokens" not in scheduler_args
+    if demo_cap:
+        scheduler_args = ["--default-max-tokens", str(DEMO_DEFAULT_MAX_TOKENS), *scheduler_args]
     config = StackConfig(
         model_path=model_path,
         served_model_name=name,
@@ -374,7 +380,7 @@ def main(args: argparse.Namespace) -> int:
         port=args.port,
         base_port=args.base_port,
         nats_port=args.nats_port,
-        scheduler_args=("--tp", str(args.tp), "--device", args.device, *shlex.split(args.scheduler_args)),
+        scheduler_args=("--tp", str(args.tp), "--device", args.device, *scheduler_args),
         tokenizer_args=tuple(shlex.split(args.tokenizer_args)),
         gateway_args=tuple(shlex.split(args.gateway_args)),
         log_level=args.log_level,
@@ -400,6 +406,12 @@ def main(args: argparse.Namespace) -> int:
     try:
         stack.start()
         print(f"kubesgl: starting {_summary(config)} (model {model_path})", flush=True)
+        if demo_cap:
+            print(
+                f"kubesgl: a request without max_tokens gets at most {DEMO_DEFAULT_MAX_TOKENS} tokens "
+                "(the demo model never stops by itself; --scheduler-args '--default-max-tokens N' to change)",
+                flush=True,
+            )
         code = _wait_ready(stack, args.ready_timeout, stopping)
         if code == 0 and not stopping:
             print(_serving_banner(stack, name), flush=True)

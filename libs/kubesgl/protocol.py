@@ -1,21 +1,31 @@
 """The wire protocol between kubesgl services: every NATS subject, header and message body.
 
-Nothing outside this module builds a subject string. Bodies are msgpack maps of the dataclass fields plus a
-`msg` tag naming the type; unknown fields are ignored so a newer sender can talk to an older receiver during
-a rolling upgrade. Subjects carry the protocol version (`kubesgl.v1.`) so two versions can run side by side.
+Nothing outside this module builds a subject string. A body is a msgpack map of a message dataclass's fields
+plus a `msg` tag naming its type (kubesgl.codec). Fields are typed: nested dataclasses (SamplingParams,
+TokenLogprob, ErrorInfo, ...), enums (PromptKind, FinishReason), tuples; each is checked against its declared
+type on decode, so a malformed value is refused where it arrives. Unknown message fields are ignored, so a newer
+sender can add one; unknown sampling fields are refused (an option the receiver would drop is one it cannot
+honour). Subjects carry the protocol version (`kubesgl.v2.`); v1 and v2 services never cross-talk
+(docs/architecture.md says how to upgrade across it).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Self, TypeVar
+from enum import StrEnum
+from typing import Any, Self, TypeVar
 
-import msgpack
-
-from kubesgl.engine.sampling import SamplingParams
-from kubesgl.engine.types import TokenLogprob
+from kubesgl.codec import (
+    JsonValue,
+    ProtocolError,
+    UnknownFieldsError,
+    decode_value,
+    encode_value,
+    pack,
+    refuse_unknown_fields,
+    unpack,
+)
 from kubesgl.errors import (
     ContextLengthError,
     DeadlineExceededError,
@@ -25,8 +35,10 @@ from kubesgl.errors import (
     ServiceUnavailableError,
     UnsupportedModelError,
 )
+from kubesgl.values.outputs import FinishReason, TokenLogprob
+from kubesgl.values.sampling import LogprobOptions, SamplingParams
 
-VERSION = "v1"
+VERSION = "v2"
 _ROOT = f"kubesgl.{VERSION}"
 
 TOKENIZE = f"{_ROOT}.tokenize"
@@ -47,8 +59,6 @@ HEADER_TRACEPARENT = "traceparent"
 HEARTBEAT_INTERVAL_S = 1.0
 # A scheduler missing this many heartbeats in a row is considered gone.
 HEARTBEAT_MISSES_TO_EXPIRE = 3
-# Tokens of already-sent context each TokenDelta carries, enough to re-cover a held-back UTF-8 character.
-DETOK_CONTEXT_TOKENS = 8
 
 _TYPE_KEY = "msg"
 
@@ -83,10 +93,6 @@ def _token(name: str) -> str:
     if not name or any(c in name for c in ". *>\t\r\n"):
         raise ValueError(f"invalid subject token {name!r}: must be non-empty without '.', '*', '>' or spaces")
     return name
-
-
-class ProtocolError(ValueError):
-    """A body that is not a valid message of the expected type."""
 
 
 # What msgpack carries of a client's free-form JSON (chat_template_kwargs, tool definitions, ...). Checked where
@@ -166,19 +172,22 @@ def header_deadline(hdrs: dict[str, str] | None) -> float | None:
 
 M = TypeVar("M", bound="Message")
 
+# Every field of these changes what the engine does: one a receiver does not know is refused, not dropped.
+refuse_unknown_fields(SamplingParams, LogprobOptions)
+
 
 @dataclass
 class Message:
     """Base of every wire message: msgpack encoding with a type tag; unknown fields ignored on decode."""
 
     def to_bytes(self) -> bytes:
-        body = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        body = encode_value(self)
         body[_TYPE_KEY] = type(self).__name__
-        return msgpack.packb(body, use_bin_type=True)
+        return pack(body)
 
     @classmethod
     def from_bytes(cls, data: bytes) -> Self:
-        body = _unpack(data)
+        body = unpack(data)
         tag = body.get(_TYPE_KEY)
         if tag != cls.__name__:
             raise ProtocolError(f"expected a {cls.__name__} message, got {tag!r}")
@@ -186,26 +195,17 @@ class Message:
 
     @classmethod
     def _from_body(cls, body: dict[str, Any]) -> Self:
-        names = {f.name for f in dataclasses.fields(cls)}
         try:
-            return cls(**{k: v for k, v in body.items() if k in names})
-        except TypeError as e:
-            raise ProtocolError(f"malformed {cls.__name__}: {e}") from e
-
-
-def _unpack(data: bytes) -> dict[str, Any]:
-    try:
-        body = msgpack.unpackb(data, raw=False, strict_map_key=False)
-    except Exception as e:  # msgpack raises several unrelated types for garbage input
-        raise ProtocolError(f"body is not msgpack: {e}") from e
-    if not isinstance(body, dict):
-        raise ProtocolError(f"body is a {type(body).__name__}, expected a map")
-    return body
+            return decode_value(cls, body)
+        except UnknownFieldsError as e:  # only SamplingParams and its parts refuse them
+            raise InvalidRequestError(
+                f"unsupported sampling parameter(s): {', '.join(e.unknown)}", param=e.unknown[0]
+            ) from None
 
 
 def decode(data: bytes, *types: type[M]) -> M:
     """Decodes a body that may be any of `types` (e.g. a reply that is Admitted or ErrorReply)."""
-    body = _unpack(data)
+    body = unpack(data)
     tag = body.get(_TYPE_KEY)
     for t in types:
         if t.__name__ == tag:
@@ -213,23 +213,72 @@ def decode(data: bytes, *types: type[M]) -> M:
     raise ProtocolError(f"expected one of {[t.__name__ for t in types]}, got {tag!r}")
 
 
+class PromptKind(StrEnum):
+    CHAT = "chat"  # `messages`, rendered by the model's chat template
+    COMPLETION = "completion"  # `prompt`, a text to encode
+    TOKENS = "tokens"  # `input_ids`, token ids taken as given
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str  # system | user | assistant (the gateway maps OpenAI's "developer" to system)
+    content: str
+
+
+@dataclass(frozen=True)
+class ErrorInfo:
+    """Why a request failed, as it travels: the HTTP status the gateway answers with and OpenAI's error fields
+    (type and code follow errors.py, so the gateway rebuilds the same error)."""
+
+    status: int
+    type: str
+    message: str
+    code: str | None = None
+    param: str | None = None
+
+    @classmethod
+    def of(cls, err: KubesglError) -> ErrorInfo:
+        return cls(err.status, err.type, err.message, err.code, err.param)
+
+    def to_error(self) -> KubesglError:
+        """The typed error these fields came from, keeping status/type/code even for an unknown kind."""
+        for kind in _ERROR_CLASSES:
+            if kind.status == self.status and kind.code == self.code:
+                return kind(self.message, param=self.param)
+        err = KubesglError(self.message, param=self.param)
+        err.status, err.type, err.code = self.status, self.type, self.code
+        return err
+
+
+# Most specific first: the first class whose (status, code) matches rebuilds the error.
+_ERROR_CLASSES: tuple[type[KubesglError], ...] = (
+    ContextLengthError,
+    ModelNotFoundError,
+    UnsupportedModelError,
+    InvalidRequestError,
+    ServiceUnavailableError,
+    DeadlineExceededError,
+)
+
+
 @dataclass
 class TokenizeRequest(Message):
-    """gateway -> any tokenizer: a prompt in one of three shapes ("chat", "completion" or "tokens")."""
+    """gateway -> any tokenizer: one prompt (of `kind`) and how to sample its completion.
 
-    KINDS: ClassVar[tuple[str, ...]] = ("chat", "completion", "tokens")
+    `sampling` is checked at the gateway and again by the engine, nowhere between; its max_tokens None means
+    "until the context ends" (or the server's default), which the engine resolves."""
 
     rid: str
     gateway_id: str
     model: str
-    kind: str
-    sampling: dict[str, Any]
+    kind: PromptKind
+    sampling: SamplingParams
     deadline: float
-    messages: list[dict[str, Any]] | None = None
-    prompt: str | None = None
-    input_ids: list[int] | None = None
+    messages: tuple[ChatMessage, ...] = ()  # kind chat
+    prompt: str | None = None  # kind completion
+    input_ids: list[int] | None = None  # kind tokens
     add_generation_prompt: bool = True
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, JsonValue] | None = None
     session_id: str | None = None  # OpenAI `user` or header x-session-id: routers may keep a session together
 
 
@@ -240,7 +289,7 @@ class GenerateRequest(Message):
     rid: str
     gateway_id: str
     input_ids: list[int]
-    sampling: dict[str, Any]
+    sampling: SamplingParams
     deadline: float
 
 
@@ -255,21 +304,17 @@ class Admitted(Message):
 
 @dataclass
 class ErrorReply(Message):
-    """A request refused at some stage; `status` is the HTTP status the gateway answers with."""
+    """A request refused at some stage (the reply to TokenizeRequest or GenerateRequest instead of Admitted)."""
 
     rid: str
-    status: int
-    type: str
-    message: str
-    code: str | None = None
-    param: str | None = None
+    error: ErrorInfo
 
     @classmethod
     def from_error(cls, rid: str, err: KubesglError) -> ErrorReply:
-        return cls(rid=rid, **error_dict(err))
+        return cls(rid, ErrorInfo.of(err))
 
     def to_error(self) -> KubesglError:
-        return error_from_dict(dataclasses.asdict(self))
+        return self.error.to_error()
 
 
 @dataclass
@@ -331,10 +376,11 @@ class KvSnapshot(Message):
 
 @dataclass
 class TokenDelta(Message):
-    """One request's new tokens, after up to DETOK_CONTEXT_TOKENS of context: an entry of a TokenDeltaBatch.
+    """One request's new tokens, an entry of a TokenDeltaBatch.
 
-    `tokens[new_from:]` are new; the context lets any replica decode without per-request state.
-    `logprobs` has one wire_logprob entry per new token when requested. `traceparent` names the request's
+    `tokens[new_from:]` are new; the ones before, up to text.incremental.DETOK_CONTEXT_TOKENS already sent, are
+    context that lets any replica decode without per-request state.
+    `logprobs` has one TokenLogprob (ids only) per new token when requested. `traceparent` names the request's
     decode span (a batch's headers cannot carry one per request).
     """
 
@@ -345,12 +391,12 @@ class TokenDelta(Message):
     tokens: list[int]
     new_from: int
     finished: bool = False
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
-    logprobs: list[dict[str, Any]] | None = None
-    error: dict[str, Any] | None = None
+    logprobs: list[TokenLogprob] | None = None
+    error: ErrorInfo | None = None
     traceparent: str | None = None
 
 
@@ -369,10 +415,6 @@ class TokenDeltaBatch(Message):
     """
 
     deltas: list[bytes]
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.deltas, list) or not all(isinstance(d, bytes) for d in self.deltas):
-            raise ProtocolError("TokenDeltaBatch.deltas must be a list of encoded TokenDeltas")
 
     @classmethod
     def pack(cls, deltas: list[TokenDelta], max_bytes: int) -> list[tuple[list[TokenDelta], bytes]]:
@@ -402,14 +444,11 @@ class BatchAck(Message):
 
     refused: dict[int, str] = field(default_factory=dict)
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.refused, dict) or not all(isinstance(i, int) for i in self.refused):
-            raise ProtocolError("BatchAck.refused must map entry indexes to reasons")
-
 
 @dataclass
 class TextDelta(Message):
-    """detokenizer (or any stage reporting an error) -> the gateway holding the client."""
+    """detokenizer (or any stage reporting an error) -> the gateway holding the client; `logprobs` are the
+    TokenDelta's with their text filled in."""
 
     rid: str
     instance_id: str
@@ -417,12 +456,12 @@ class TextDelta(Message):
     text: str
     token_ids: list[int] = field(default_factory=list)
     finished: bool = False
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
-    logprobs: list[dict[str, Any]] | None = None
-    error: dict[str, Any] | None = None
+    logprobs: list[TokenLogprob] | None = None
+    error: ErrorInfo | None = None
 
 
 @dataclass
@@ -438,70 +477,3 @@ class SchedulerStats(Message):
     cached_prefix_pages: int
     active_rids: list[str] = field(default_factory=list)
     draining: bool = False
-
-
-_SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
-
-
-def sampling_to_dict(params: SamplingParams) -> dict[str, Any]:
-    """SamplingParams as a wire dict (tuples become lists)."""
-    out = dataclasses.asdict(params)
-    out["stop_token_ids"] = list(params.stop_token_ids)
-    return out
-
-
-def sampling_from_dict(d: dict[str, Any]) -> SamplingParams:
-    """Builds and validates SamplingParams; an unknown field is rejected rather than silently ignored."""
-    unknown = sorted(set(d) - _SAMPLING_FIELDS)
-    if unknown:
-        raise InvalidRequestError(
-            f"unsupported sampling parameter(s): {', '.join(unknown)}", param=unknown[0]
-        )
-    values = dict(d)
-    if "stop_token_ids" in values:
-        values["stop_token_ids"] = tuple(values["stop_token_ids"] or ())
-    try:
-        params = SamplingParams(**values)
-    except TypeError as e:
-        raise InvalidRequestError(f"invalid sampling parameters: {e}") from e
-    params.validate()
-    return params
-
-
-def wire_logprob(lp: TokenLogprob) -> dict[str, Any]:
-    """One generated token's logprob as the scheduler sends it (ids only; the detokenizer adds strings)."""
-    return {"token_id": lp.token_id, "logprob": lp.logprob, "top": [[t, p] for t, p in lp.top]}
-
-
-def error_dict(err: KubesglError) -> dict[str, Any]:
-    """The error fields carried by ErrorReply and by TokenDelta/TextDelta.error."""
-    return {
-        "status": err.status,
-        "type": err.type,
-        "code": err.code,
-        "param": err.param,
-        "message": err.message,
-    }
-
-
-# Most specific first: the first class whose (status, code) matches rebuilds the error.
-_ERROR_CLASSES: tuple[type[KubesglError], ...] = (
-    ContextLengthError,
-    ModelNotFoundError,
-    UnsupportedModelError,
-    InvalidRequestError,
-    ServiceUnavailableError,
-    DeadlineExceededError,
-)
-
-
-def error_from_dict(d: dict[str, Any]) -> KubesglError:
-    """Rebuilds the typed error from its wire fields, keeping status/type/code even for unknown kinds."""
-    status, code = int(d.get("status", 500)), d.get("code")
-    message, param = str(d.get("message", "")), d.get("param")
-    for cls in _ERROR_CLASSES:
-        if cls.status == status and cls.code == code:
-            return cls(message, param=param)
-    err = KubesglError(message, param=param)
-    err.status, err.type, err.code = status, str(d.get("type", "internal_error")), code
-    return err

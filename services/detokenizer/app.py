@@ -7,10 +7,10 @@ import asyncio
 import os
 import socket
 
-from kubesgl.bus_service import add_service_arguments, run_bus_service
+from kubesgl.service.bus_service import add_service_arguments, run_bus_service
+from kubesgl.service.telemetry.metrics import DetokenizerMetrics, new_registry
+from kubesgl.service.telemetry.tracing import Tracing
 from kubesgl.services.detokenizer.service import DetokenizerService
-from kubesgl.telemetry.metrics import DetokenizerMetrics, new_registry
-from kubesgl.telemetry.tracing import Tracing
 from kubesgl.text.tokenizer import ModelTokenizer
 from nats.aio.client import Client
 

@@ -9,24 +9,28 @@ causes a scheduler retry of the whole batch (duplicates the gateway drops by seq
 from __future__ import annotations
 
 import logging
-from typing import Any
+from dataclasses import replace
 
-from kubesgl.nats_conn import close
+from kubesgl.errors import InvalidRequestError, KubesglError
 from kubesgl.protocol import (
     DETOK,
     DETOKENIZER_QUEUE,
     HEADER_TRACEPARENT,
     BatchAck,
+    ErrorInfo,
     ErrorReply,
+    FinishReason,
     ProtocolError,
     TextDelta,
     TokenDelta,
     TokenDeltaBatch,
+    TokenLogprob,
     gateway_subject,
     headers,
 )
-from kubesgl.telemetry.metrics import DetokenizerMetrics
-from kubesgl.telemetry.tracing import ATTR_RID, ATTR_SEQ, SPAN_DETOKENIZE, Tracing, traceparent
+from kubesgl.service.nats_conn import close
+from kubesgl.service.telemetry.metrics import DetokenizerMetrics
+from kubesgl.service.telemetry.tracing import ATTR_RID, ATTR_SEQ, SPAN_DETOKENIZE, Tracing, traceparent
 from kubesgl.text.incremental import delta_text
 from kubesgl.text.tokenizer import ModelTokenizer
 from nats.aio.client import Client
@@ -68,7 +72,7 @@ class DetokenizerService:
             except ProtocolError as e:
                 log.error("malformed TokenDeltaBatch: %s", e)
                 status.status = 400
-                err = ErrorReply(rid="", status=400, type="invalid_request_error", message=str(e))
+                err = ErrorReply.from_error("", InvalidRequestError(str(e)))
                 await msg.respond(err.to_bytes())
                 return
             refused: dict[int, str] = {}
@@ -106,13 +110,7 @@ class DetokenizerService:
         except Exception as e:  # a token id the tokenizer cannot decode must not crash the replica
             log.error("cannot decode delta %s of %s: %s", delta.seq, delta.rid, e)
             text, logprobs = "", None
-            error = {
-                "status": 500,
-                "type": "internal_error",
-                "code": None,
-                "param": None,
-                "message": f"detokenization failed: {e}",
-            }
+            error = ErrorInfo.of(KubesglError(f"detokenization failed: {e}"))
         return TextDelta(
             rid=delta.rid,
             instance_id=delta.instance_id,
@@ -120,7 +118,9 @@ class DetokenizerService:
             text=text,
             token_ids=new_ids,
             finished=delta.finished or error is not None,
-            finish_reason=delta.finish_reason if error is None else (delta.finish_reason or "abort"),
+            finish_reason=delta.finish_reason
+            if error is None
+            else (delta.finish_reason or FinishReason.ABORT),
             prompt_tokens=delta.prompt_tokens,
             cached_tokens=delta.cached_tokens,
             completion_tokens=delta.completion_tokens,
@@ -128,17 +128,13 @@ class DetokenizerService:
             error=error,
         )
 
-    def _logprob(self, lp: dict[str, Any]) -> dict[str, Any]:
+    def _logprob(self, lp: TokenLogprob) -> TokenLogprob:
+        """The engine's logprob with the text and bytes of its token and alternatives."""
         tok = self.tokenizer
-        top = [
-            {"token": tok.token_text(t), "token_id": t, "logprob": p, "bytes": list(tok.token_bytes(t))}
-            for t, p in lp.get("top", [])
-        ]
-        tid = lp["token_id"]
-        return {
-            "token": tok.token_text(tid),
-            "token_id": tid,
-            "logprob": lp["logprob"],
-            "bytes": list(tok.token_bytes(tid)),
-            "top": top,
-        }
+        return replace(
+            lp,
+            token=tok.token_text(lp.token_id),
+            token_bytes=tok.token_bytes(lp.token_id),
+            top_tokens=tuple(tok.token_text(t) for t, _ in lp.top),
+            top_bytes=tuple(tok.token_bytes(t) for t, _ in lp.top),
+        )

@@ -16,9 +16,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from kubesgl import __version__
 from kubesgl.errors import InvalidRequestError, KubesglError
-from kubesgl.nats_conn import NatsSettings, connect
 from kubesgl.openai_api.http_errors import error_body, error_from_validation
 from kubesgl.routing import SchedulerRegistry
+from kubesgl.service.nats_conn import NatsSettings, connect
+from kubesgl.service.telemetry.metrics import GatewayMetrics, new_registry
+from kubesgl.service.telemetry.tracing import Tracing
 from kubesgl.services.gateway import native_routes, openai_routes, ops_routes
 from kubesgl.services.gateway.access_log import AccessLog
 from kubesgl.services.gateway.api_keys import ApiKeys
@@ -27,8 +29,6 @@ from kubesgl.services.gateway.config import GatewayConfig, config_from_args
 from kubesgl.services.gateway.config import add_arguments as add_config_arguments
 from kubesgl.services.gateway.gateway import Gateway
 from kubesgl.services.gateway.guards import ApiKeyCheck, BodySizeLimit
-from kubesgl.telemetry.metrics import GatewayMetrics, new_registry
-from kubesgl.telemetry.tracing import Tracing
 from starlette.exceptions import HTTPException
 
 log = logging.getLogger("kubesgl.gateway")

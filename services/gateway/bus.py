@@ -31,8 +31,8 @@ from kubesgl.protocol import (
     stats_subject,
 )
 from kubesgl.routing import SchedulerRegistry
+from kubesgl.service.telemetry.metrics import NatsMetrics
 from kubesgl.services.gateway.request_stream import RequestStream
-from kubesgl.telemetry.metrics import NatsMetrics
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription

@@ -9,7 +9,7 @@ import socket
 import uuid
 from dataclasses import dataclass
 
-from kubesgl.nats_conn import add_nats_arguments
+from kubesgl.service.nats_conn import add_nats_arguments
 
 
 @dataclass(frozen=True)

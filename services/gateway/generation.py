@@ -7,11 +7,10 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
 
 from kubesgl.errors import DeadlineExceededError, KubesglError, ServiceUnavailableError
 from kubesgl.openai_api.stop_strings import StopStringFilter
-from kubesgl.protocol import Admitted, TextDelta, TokenizeRequest, error_from_dict
+from kubesgl.protocol import Admitted, FinishReason, TextDelta, TokenizeRequest, TokenLogprob
 from kubesgl.services.gateway.bus import GatewayBus
 from kubesgl.services.gateway.request_stream import RequestStream
 
@@ -27,11 +26,11 @@ class ChoiceEvent:
     index: int
     text: str
     token_ids: list[int]
-    logprobs: list[dict[str, Any]] | None
+    logprobs: list[TokenLogprob] | None
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     matched_stop: str | int | None = None
 
 
@@ -66,8 +65,8 @@ class ChoiceGeneration:
 
     async def events(self) -> AsyncIterator[ChoiceEvent]:
         assert self._stream is not None, "admit() first"
-        want_logprobs = bool(self.request.sampling.get("logprobs"))
-        stop_filter: StopStringFilter[dict[str, Any]] = StopStringFilter(self.stops)
+        want_logprobs = self.request.sampling.logprobs is not None
+        stop_filter: StopStringFilter[TokenLogprob] = StopStringFilter(self.stops)
         tokens: list[int] = []
         last_output = time.monotonic()
         while True:
@@ -95,7 +94,7 @@ class ChoiceGeneration:
             )
             if stop_filter.stopped:
                 # The scheduler is still generating: close() aborts it.
-                event.finish_reason, event.matched_stop = "stop", stop_filter.matched
+                event.finish_reason, event.matched_stop = FinishReason.STOP, stop_filter.matched
                 yield event
                 return
             if delta.finished:
@@ -104,7 +103,7 @@ class ChoiceGeneration:
                 if want_logprobs:
                     event.logprobs = [*released.items, *tail.items]
                 event.finish_reason = delta.finish_reason
-                if delta.finish_reason == "stop" and tokens:
+                if delta.finish_reason is FinishReason.STOP and tokens:
                     event.matched_stop = tokens[-1]
                 self._finished = True
                 yield event
@@ -126,6 +125,6 @@ class ChoiceGeneration:
 
 def _raise_if_failed(delta: TextDelta) -> None:
     if delta.error is not None:
-        raise error_from_dict(delta.error)
-    if delta.finished and delta.finish_reason not in ("stop", "length"):
+        raise delta.error.to_error()
+    if delta.finished and delta.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH):
         raise KubesglError(f"the scheduler ended the request ({delta.finish_reason})")

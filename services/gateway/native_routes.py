@@ -10,7 +10,7 @@ from kubesgl.errors import InvalidRequestError, ServiceUnavailableError
 from kubesgl.openai_api.generation_spec import native_spec
 from kubesgl.openai_api.prompt_inputs import native_prompt
 from kubesgl.openai_api.request_models import NativeGenerateRequest
-from kubesgl.protocol import TokenizeRequest
+from kubesgl.protocol import PromptKind, TokenizeRequest
 from kubesgl.services.gateway.encoders import NativeEncoder
 from kubesgl.services.gateway.gateway import Gateway, gateway_of
 from kubesgl.services.gateway.openai_routes import fan_out, session_id
@@ -33,8 +33,8 @@ async def generate(body: NativeGenerateRequest, request: Request) -> Response:
             rid=rid,
             gateway_id=gw.bus.gateway_id,
             model=model,
-            kind="completion",
-            sampling={},
+            kind=PromptKind.COMPLETION,
+            sampling=spec.params,
             deadline=gw.deadline(request),
             session_id=session_id(request),
         )

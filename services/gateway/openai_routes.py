@@ -13,7 +13,7 @@ from kubesgl.errors import InvalidRequestError
 from kubesgl.openai_api.generation_spec import MAX_N, GenerationSpec, chat_spec, completion_spec
 from kubesgl.openai_api.prompt_inputs import PromptInput, chat_messages, completion_prompts
 from kubesgl.openai_api.request_models import ChatCompletionRequest, CompletionRequest
-from kubesgl.protocol import TokenizeRequest
+from kubesgl.protocol import PromptKind, TokenizeRequest
 from kubesgl.services.gateway.choice_group import ChoiceGroup
 from kubesgl.services.gateway.encoders import ChatEncoder, CompletionEncoder
 from kubesgl.services.gateway.gateway import Gateway, gateway_of
@@ -37,8 +37,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
             rid=rid,
             gateway_id=gw.bus.gateway_id,
             model=body.model,
-            kind="chat",
-            sampling={},
+            kind=PromptKind.CHAT,
+            sampling=spec.params,
             deadline=gw.deadline(request),
             messages=messages,
             add_generation_prompt=body.add_generation_prompt,
@@ -66,8 +66,8 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
             rid=rid,
             gateway_id=gw.bus.gateway_id,
             model=body.model,
-            kind="completion",
-            sampling={},
+            kind=PromptKind.COMPLETION,
+            sampling=spec.params,
             deadline=gw.deadline(request),
             session_id=session_id(request, body.user),
         )
@@ -106,7 +106,7 @@ def fan_out(
             req = replace(
                 base,
                 rid=base.rid if total == 1 else f"{base.rid}-{index}",
-                sampling=spec.wire_sampling(i),
+                sampling=spec.params_for_choice(i),
                 **_prompt_fields(prompt),
             )
             choices.append(ChoiceGeneration(gw.bus, index, req, spec.stop, limits, scope.traceparent))
@@ -117,5 +117,5 @@ def _prompt_fields(prompt: PromptInput | None) -> dict[str, Any]:
     if prompt is None:
         return {}
     if prompt.text is not None:
-        return {"kind": "completion", "prompt": prompt.text}
-    return {"kind": "tokens", "input_ids": list(prompt.input_ids or ())}
+        return {"kind": PromptKind.COMPLETION, "prompt": prompt.text}
+    return {"kind": PromptKind.TOKENS, "input_ids": list(prompt.input_ids or ())}

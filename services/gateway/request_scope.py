@@ -5,10 +5,10 @@ access-log record (access_log.py)."""
 from __future__ import annotations
 
 from fastapi import Request
+from kubesgl.service.telemetry.tracing import ATTR_MODEL, SPAN_GATEWAY_REQUEST, traceparent
 from kubesgl.services.gateway.access_log import record_of
 from kubesgl.services.gateway.api_keys import ANONYMOUS
 from kubesgl.services.gateway.gateway import Gateway
-from kubesgl.telemetry.tracing import ATTR_MODEL, SPAN_GATEWAY_REQUEST, traceparent
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 # nginx's "client closed request": the client left before the answer.

@@ -7,7 +7,7 @@ import asyncio
 import time
 
 from kubesgl.errors import KubesglError
-from kubesgl.protocol import TextDelta, error_dict
+from kubesgl.protocol import ErrorInfo, TextDelta
 
 
 class RequestStream:
@@ -46,7 +46,7 @@ class RequestStream:
     def fail(self, err: KubesglError) -> None:
         """Ends the request here with `err` (the gateway found its output lost)."""
         self._ready.put_nowait(
-            TextDelta(rid=self.rid, instance_id="", seq=-1, text="", finished=True, error=error_dict(err))
+            TextDelta(rid=self.rid, instance_id="", seq=-1, text="", finished=True, error=ErrorInfo.of(err))
         )
 
     def gap_age(self) -> float:

@@ -10,17 +10,17 @@ import os
 import signal
 import socket
 
-from kubesgl.bus_service import add_service_arguments, run_bus_service
 from kubesgl.engine.config import EngineConfig
 from kubesgl.engine.engine import Engine, local_ranks, run_node_ranks
-from kubesgl.engine.types import ModelInfo
-from kubesgl.lifecycle import configure_logging
+from kubesgl.service.bus_service import add_service_arguments, run_bus_service
+from kubesgl.service.lifecycle import configure_logging
+from kubesgl.service.telemetry.metrics import SchedulerMetrics, new_registry
+from kubesgl.service.telemetry.scheduler import SchedulerTelemetry
+from kubesgl.service.telemetry.stats_log import StatsLog
+from kubesgl.service.telemetry.tracing import Tracing
 from kubesgl.services.scheduler.engine_loop import EngineLoop
 from kubesgl.services.scheduler.service import SchedulerService
-from kubesgl.telemetry.metrics import SchedulerMetrics, new_registry
-from kubesgl.telemetry.scheduler import SchedulerTelemetry
-from kubesgl.telemetry.stats_log import StatsLog
-from kubesgl.telemetry.tracing import Tracing
+from kubesgl.values.outputs import ModelInfo
 from nats.aio.client import Client
 
 _DEFAULTS = EngineConfig(model_path="")
@@ -54,6 +54,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cuda-graph-max-bs", type=int, default=d.cuda_graph_max_bs, help="0 disables")
     parser.add_argument("--disable-overlap", action="store_true", help="no overlap scheduling")
     parser.add_argument("--seed", type=int, default=d.seed, help="sampling seed for unseeded requests")
+    parser.add_argument(
+        "--default-max-tokens",
+        type=_positive_int,
+        default=d.default_max_tokens,
+        help="most tokens a request without max_tokens generates (default: until the context ends, as OpenAI)",
+    )
     parser.add_argument(
         "--detok-timeout",
         type=float,
@@ -129,6 +135,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         cuda_graph_max_bs=args.cuda_graph_max_bs,
         disable_overlap=args.disable_overlap,
         seed=args.seed,
+        default_max_tokens=args.default_max_tokens,
         kv_event_block_size=args.kv_event_block_size if args.cache == "radix" else 0,
         nnodes=args.nnodes,
         node_rank=args.node_rank,

@@ -13,7 +13,7 @@ import time
 
 import nats.errors
 from kubesgl.protocol import DETOK, BatchAck, ErrorReply, ProtocolError, decode
-from kubesgl.telemetry.metrics import NatsMetrics
+from kubesgl.service.telemetry.metrics import NatsMetrics
 from nats.aio.client import Client
 
 log = logging.getLogger("kubesgl.scheduler")
@@ -37,7 +37,7 @@ async def deliver(
                 msg = await nc.request(DETOK, batch, timeout=timeout_s)
             reply = decode(msg.data, BatchAck, ErrorReply)
             if isinstance(reply, ErrorReply):
-                log.error("detokenizer refused a batch of %d deltas: %s", entries, reply.message)
+                log.error("detokenizer refused a batch of %d deltas: %s", entries, reply.error.message)
                 return None
             return reply
         except (TimeoutError, nats.errors.Error, ProtocolError) as e:

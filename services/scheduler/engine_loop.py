@@ -15,11 +15,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kubesgl.engine.engine import Engine
-from kubesgl.engine.sampling import SamplingParams
-from kubesgl.engine.types import EngineStats, ModelInfo, RequestOutput
 from kubesgl.errors import KubesglError
 from kubesgl.kv.radix import RadixCache
-from kubesgl.telemetry.scheduler import SchedulerTelemetry
+from kubesgl.service.telemetry.scheduler import SchedulerTelemetry
+from kubesgl.values.outputs import EngineStats, ModelInfo, RequestOutput
+from kubesgl.values.sampling import SamplingParams
 
 log = logging.getLogger("kubesgl.scheduler.engine")
 

@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import nats.errors
 from kubesgl.cache_routing.kv_batch import KvBatch
+from kubesgl.errors import ServiceUnavailableError
 from kubesgl.protocol import ErrorReply, KvEvents, KvSnapshot, kv_events_subject, kv_snapshot_subject
 from kubesgl.services.scheduler.engine_loop import Command, KvSnapshotQuery
 from nats.aio.client import Client
@@ -95,7 +96,7 @@ class KvPublisher:
 
     async def _on_snapshot(self, msg: Msg) -> None:
         if not self._loaded.is_set():
-            reply = ErrorReply(rid="", status=503, type="service_unavailable", message="model still loading")
+            reply = ErrorReply.from_error("", ServiceUnavailableError("model still loading"))
             await msg.respond(reply.to_bytes())
             return
         future: asyncio.Future[tuple[int, list[int]]] = self._loop.create_future()
@@ -114,6 +115,6 @@ class KvPublisher:
                 " raise max_payload or --kv-event-block-size"
             )
             log.warning(message)
-            body = ErrorReply(rid="", status=503, type="service_unavailable", message=message).to_bytes()
+            body = ErrorReply.from_error("", ServiceUnavailableError(message)).to_bytes()
         with contextlib.suppress(nats.errors.Error):  # the requester retries on its next heartbeat
             await msg.respond(body)

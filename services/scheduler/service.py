@@ -20,10 +20,7 @@ from collections.abc import Callable, Iterable
 from itertools import pairwise
 
 import nats.errors
-from kubesgl.engine.types import EngineStats, ModelInfo, RequestOutput
 from kubesgl.errors import DeadlineExceededError, InvalidRequestError, KubesglError, ServiceUnavailableError
-from kubesgl.lifecycle import TaskGroup
-from kubesgl.nats_conn import close
 from kubesgl.protocol import (
     ABORT,
     HEADER_RID,
@@ -43,14 +40,16 @@ from kubesgl.protocol import (
     gateway_subject,
     generate_subject,
     headers,
-    sampling_from_dict,
     stats_subject,
 )
+from kubesgl.service.lifecycle import TaskGroup
+from kubesgl.service.nats_conn import close
+from kubesgl.service.telemetry.scheduler import SchedulerTelemetry
 from kubesgl.services.scheduler.delivery import deliver
 from kubesgl.services.scheduler.engine_loop import AbortRequest, AddRequest, EngineLoop, QueryStats
 from kubesgl.services.scheduler.kv_publisher import KvPublisher
 from kubesgl.services.scheduler.streams import RequestStream
-from kubesgl.telemetry.scheduler import SchedulerTelemetry
+from kubesgl.values.outputs import EngineStats, ModelInfo, RequestOutput
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -187,7 +186,7 @@ class SchedulerService:
             rid = req.rid
             reply: Admitted | ErrorReply = await self._add(req, msg.headers)
         except ProtocolError as e:
-            reply = ErrorReply(rid=rid, status=400, type="invalid_request_error", message=str(e))
+            reply = ErrorReply.from_error(rid, InvalidRequestError(str(e)))
         except KubesglError as e:
             reply = ErrorReply.from_error(rid, e)
         if msg.reply:
@@ -211,14 +210,17 @@ class SchedulerService:
             raise ServiceUnavailableError(f"scheduler instance {self.instance_id} is still loading the model")
         if req.deadline <= time.time():
             raise DeadlineExceededError("the request's deadline passed before it reached a scheduler")
-        params = sampling_from_dict(req.sampling)
         queued = len(self._streams) - self.max_running_requests
         if queued >= self.max_queued_requests:
             raise ServiceUnavailableError(
                 f"scheduler instance {self.instance_id} is full ({queued} requests queued); retry later"
             )
         stream = RequestStream(
-            req.rid, req.gateway_id, req.deadline, len(req.input_ids), wants_logprobs=params.logprobs
+            req.rid,
+            req.gateway_id,
+            req.deadline,
+            len(req.input_ids),
+            wants_logprobs=req.sampling.logprobs is not None,
         )
         # Registered before the engine sees the request, so its first outputs always find the stream.
         self._streams[req.rid] = stream
@@ -229,7 +231,8 @@ class SchedulerService:
         def done(err: KubesglError | None) -> None:
             self._loop.call_soon_threadsafe(future.set_result, err)
 
-        self._engine.submit(AddRequest(req.rid, list(req.input_ids), params, done))
+        # The engine checks the sampling parameters (the second gate after the gateway's): a refusal is a 400.
+        self._engine.submit(AddRequest(req.rid, req.input_ids, req.sampling, done))
         try:
             err = await future
         finally:
@@ -265,7 +268,7 @@ class SchedulerService:
 
     async def _reply_stats(self, msg: Msg) -> None:
         if not self._loaded.is_set():
-            reply = ErrorReply(rid="", status=503, type="service_unavailable", message="model still loading")
+            reply = ErrorReply.from_error("", ServiceUnavailableError("model still loading"))
             await msg.respond(reply.to_bytes())
             return
         future: asyncio.Future[EngineStats] = self._loop.create_future()

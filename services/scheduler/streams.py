@@ -8,12 +8,11 @@ in flight at a time; tokens that arrive meanwhile ride in the next one.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
-from kubesgl.engine.types import RequestOutput
 from kubesgl.errors import KubesglError
-from kubesgl.protocol import TextDelta, TokenDelta, error_dict, wire_logprob
+from kubesgl.protocol import ErrorInfo, TextDelta, TokenDelta
 from kubesgl.text.incremental import delta_window
+from kubesgl.values.outputs import FinishReason, RequestOutput, TokenLogprob
 
 
 @dataclass
@@ -23,12 +22,11 @@ class RequestStream:
     deadline: float
     prompt_tokens: int
     output_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
     wants_logprobs: bool = False
     cached_tokens: int = 0
     finished: bool = False
-    finish_reason: str | None = None
-    error: dict[str, Any] | None = None
+    finish_reason: FinishReason | None = None
     traceparent: str | None = None
     sent: int = 0  # output tokens already put into a delta
     seq: int = 0  # seq of the next delta
@@ -42,19 +40,11 @@ class RequestStream:
     def add(self, out: RequestOutput, traceparent: str | None) -> None:
         self.output_ids += out.new_token_ids
         if self.wants_logprobs and out.logprobs:
-            self.logprobs += [wire_logprob(lp) for lp in out.logprobs]
+            self.logprobs += out.logprobs
         self.cached_tokens = out.cached_tokens
         self.traceparent = traceparent or self.traceparent
         if out.finished:
             self.finished, self.finish_reason = True, out.finish_reason
-            if out.error:
-                self.error = {
-                    "status": 500,
-                    "type": "internal_error",
-                    "code": None,
-                    "param": None,
-                    "message": out.error,
-                }
 
     def next_delta(self, instance_id: str) -> TokenDelta | None:
         """The next delta to send, or None when everything produced so far went out."""
@@ -76,7 +66,6 @@ class RequestStream:
             cached_tokens=self.cached_tokens,
             completion_tokens=len(self.output_ids),
             logprobs=self.logprobs[self.sent :] if self.wants_logprobs else None,
-            error=self.error,
             traceparent=self.traceparent,
         )
         self.sent, self.seq, self.final_sent = len(self.output_ids), self.seq + 1, self.finished
@@ -91,11 +80,11 @@ class RequestStream:
             seq=self.seq,
             text="",
             finished=True,
-            finish_reason="abort",
+            finish_reason=FinishReason.ABORT,
             prompt_tokens=self.prompt_tokens,
             cached_tokens=self.cached_tokens,
             completion_tokens=self.sent,
-            error=error_dict(err),
+            error=ErrorInfo.of(err),
         )
         self.seq += 1
         return delta

@@ -14,7 +14,6 @@ from collections.abc import Callable, Iterable
 
 import nats.errors
 from kubesgl.cache_routing.kv_tracker import KvTracker
-from kubesgl.lifecycle import TaskGroup
 from kubesgl.protocol import (
     KV_EVENTS_ALL,
     ErrorReply,
@@ -25,7 +24,8 @@ from kubesgl.protocol import (
     decode,
     kv_snapshot_subject,
 )
-from kubesgl.telemetry.metrics import RouterMetrics
+from kubesgl.service.lifecycle import TaskGroup
+from kubesgl.service.telemetry.metrics import RouterMetrics
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -123,7 +123,7 @@ class KvFeed:
             self._in_flight.discard(instance_id)
         if isinstance(reply, ErrorReply):
             self.metrics.on_snapshot("refused")
-            log.info("KV snapshot of %s refused: %s", instance_id, reply.message)
+            log.info("KV snapshot of %s refused: %s", instance_id, reply.error.message)
             return
         if not self._wanted(instance_id):
             return  # gone or draining while the snapshot was on its way

@@ -16,12 +16,11 @@ from concurrent.futures import ThreadPoolExecutor
 import nats.errors
 from kubesgl.errors import (
     DeadlineExceededError,
+    InvalidRequestError,
     KubesglError,
     ModelNotFoundError,
     ServiceUnavailableError,
 )
-from kubesgl.lifecycle import TaskGroup
-from kubesgl.nats_conn import close
 from kubesgl.protocol import (
     HEADER_RID,
     HEARTBEAT,
@@ -37,20 +36,21 @@ from kubesgl.protocol import (
     decode,
     generate_subject,
     headers,
-    sampling_from_dict,
 )
 from kubesgl.routing import SchedulerRegistry
-from kubesgl.services.tokenizer.kv_feed import KvFeed
-from kubesgl.services.tokenizer.prompt import check_context, prompt_ids
-from kubesgl.services.tokenizer.request_router import RequestRouter
-from kubesgl.telemetry.metrics import TokenizerMetrics
-from kubesgl.telemetry.tracing import (
+from kubesgl.service.lifecycle import TaskGroup
+from kubesgl.service.nats_conn import close
+from kubesgl.service.telemetry.metrics import TokenizerMetrics
+from kubesgl.service.telemetry.tracing import (
     ATTR_MODEL,
     ATTR_RID,
     SPAN_TOKENIZE,
     Tracing,
     traceparent,
 )
+from kubesgl.services.tokenizer.kv_feed import KvFeed
+from kubesgl.services.tokenizer.prompt import check_context, prompt_ids
+from kubesgl.services.tokenizer.request_router import RequestRouter
 from kubesgl.text.tokenizer import ModelTokenizer
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -145,14 +145,14 @@ class TokenizerService:
                 span.set_attributes({ATTR_RID: rid, ATTR_MODEL: req.model})
                 reply = await self._admit(req, traceparent(span))
             except ProtocolError as e:
-                reply = ErrorReply(rid=rid, status=400, type="invalid_request_error", message=str(e))
+                reply = ErrorReply.from_error(rid, InvalidRequestError(str(e)))
             except KubesglError as e:
                 reply = ErrorReply.from_error(rid, e)
             if reply is None:  # every scheduler was slow: stay silent, the gateway retries the same rid
                 status.status = 504
                 span.set_attribute("kubesgl.status", 504)
                 return
-            status.status = 200 if isinstance(reply, Admitted) else reply.status
+            status.status = 200 if isinstance(reply, Admitted) else reply.error.status
             span.set_attribute("kubesgl.status", status.status)
             if msg.reply:
                 await msg.respond(reply.to_bytes())
@@ -163,10 +163,6 @@ class TokenizerService:
             raise DeadlineExceededError("the request's deadline passed before it was tokenized")
         if req.model != self.model:
             raise ModelNotFoundError(f"The model `{req.model}` does not exist.", param="model")
-        sampling = dict(req.sampling)
-        # max_tokens None is OpenAI's default, the rest of the context: only the prompt's length decides it.
-        open_ended = sampling.get("max_tokens") is None
-        sampling_from_dict({**sampling, "max_tokens": 1} if open_ended else sampling)  # validates
         start = time.perf_counter()
         loop = asyncio.get_running_loop()
         ids = await loop.run_in_executor(self._tokenize_thread, prompt_ids, req, self.tokenizer)
@@ -174,15 +170,13 @@ class TokenizerService:
         candidates = self.registry.candidates(self.model)
         if not candidates:
             raise ServiceUnavailableError(f"no scheduler is available for model `{self.model}`; retry later")
-        context_len = min(c.heartbeat.context_len for c in candidates)
-        if open_ended:
-            sampling["max_tokens"] = max(context_len - len(ids), 1)
-        check_context(req, len(ids), sampling["max_tokens"], context_len)
+        check_context(req, len(ids), min(c.heartbeat.context_len for c in candidates))
+        # Sampling goes on as it came: the gateway checked it and the engine checks it again when it admits it.
         gen = GenerateRequest(
             rid=req.rid,
             gateway_id=req.gateway_id,
             input_ids=ids,
-            sampling=sampling,
+            sampling=req.sampling,
             deadline=req.deadline,
         )
         return await self._forward(gen, req.session_id, trace)
@@ -227,7 +221,7 @@ class TokenizerService:
                 log.warning("scheduler %s did not answer admission of %s in time", instance, gen.rid)
                 slow.add(instance)
                 continue
-            if isinstance(reply, ErrorReply) and reply.status == 503:
+            if isinstance(reply, ErrorReply) and reply.error.status == 503:
                 refusal = reply  # full or draining: another instance may have room
                 continue
             return reply

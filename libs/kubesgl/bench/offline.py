@@ -148,6 +148,7 @@ def main(args: argparse.Namespace) -> int:
     import torch
 
     from kubesgl import LLM, SamplingParams
+    from kubesgl.engine.step_profile import StepProfile
     from kubesgl.kv.kv_cache import KVCache
 
     model_dir, dummy = _resolve_model(args.model)
@@ -187,8 +188,8 @@ def main(args: argparse.Namespace) -> int:
         if bw == bw
         else float("nan")
     )
-    if llm.engine.profile is not None:
-        print(llm.engine.profile.report(), flush=True)
+    if isinstance(llm.engine.step_hook, StepProfile):
+        print(llm.engine.step_hook.report(), flush=True)
     graphs = llm.engine.runner.graphs
     res: dict[str, Any] = {
         "model": args.model,

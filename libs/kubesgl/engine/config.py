@@ -32,3 +32,6 @@ class EngineConfig:
     node_rank: int = 0
     dist_init_addr: str = ""
     kv_event_block_size: int = 0  # > 0: record prefix-cache KV events in blocks of this many tokens (routing)
+    default_max_tokens: int | None = (
+        None  # most tokens of a request without max_tokens (None: to the context end)
+    )

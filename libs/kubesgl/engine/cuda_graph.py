@@ -10,19 +10,19 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import NamedTuple
 
 import torch
 
-from kubesgl.attention.base import AttentionMetadata
+from kubesgl.attention.base import AttentionBackend, AttentionMetadata
 from kubesgl.attention.graph_hooks import supports_cuda_graph
 from kubesgl.engine.decode_inputs import decode_inputs
-from kubesgl.engine.forward import ForwardBatch
 from kubesgl.engine.gumbel_sampling import gumbel_tokens, philox_key, sampling_scale
-from kubesgl.engine.sampler import greedy_tokens, temperature_tokens
-
-if TYPE_CHECKING:
-    from kubesgl.engine.runner import ModelRunner
+from kubesgl.engine.sampler import Sampler, greedy_tokens, temperature_tokens
+from kubesgl.engine.transfer import PinnedStaging
+from kubesgl.kv.kv_cache import KVCache
+from kubesgl.layers.forward import ForwardBatch
+from kubesgl.models.decoder import CausalLM
 
 log = logging.getLogger(__name__)
 
@@ -42,32 +42,58 @@ def auto_max_bs(device: torch.device, max_running: int) -> int:
     return min(256 if total > 80 * 2**30 else 160, max_running)
 
 
+class GraphInputs(NamedTuple):
+    """A decode batch staged in the graphs' inputs: device views of its rows."""
+
+    slots: torch.Tensor  # [n] the batch's slots
+    positions: torch.Tensor  # [n] the position each row's token is fed at
+    extra: torch.Tensor  # the values staged after the graph's inputs (the step's page-table writes)
+
+
 class DecodeGraphs:
     """Per captured batch size: a forward graph (input prep + model + logits) and two sampling graphs.
 
     Logits stay in the model's dtype: greedy argmax is the same on them, temperature sampling reads them once
     (`gumbel_tokens`), and only the eager sampler casts its rows to float32 (the LM head returns the model dtype).
 
-    The forward graph reads only `io`: slots in io[:bs] and positions in io[bs:2 * bs] (each size its own
-    layout, so one contiguous copy fills it); the rest of `io` carries the step's page-table writes. The
-    sampling graphs ("greedy", "temperature") read the forward graph's logits, write the tokens to `tokens`
-    and into the token pool at position + 1.
+    Built from its parts (the model, attention backend, KV cache, token pool, page table, sampler and staging
+    buffers of one runner), it owns its input layout: `stage` fills it, `replay` runs it. The forward graph of
+    size bs reads slots from io[:bs] and positions from io[bs:2 * bs] (each size its own layout, so one
+    contiguous copy fills it); the rest of `io` carries whatever the caller stages after them. The sampling
+    graphs ("greedy", "temperature") read the forward graph's logits, write the tokens to `tokens` and into
+    the token pool at position + 1.
     """
 
-    def __init__(self, runner: ModelRunner, max_bs: int, pad_slot: int) -> None:
-        if not supports_cuda_graph(runner.attn):
-            raise ValueError(f"attention backend {type(runner.attn).__name__} cannot run in CUDA graphs")
-        self.runner = runner
+    def __init__(
+        self,
+        *,
+        model: CausalLM,
+        attn: AttentionBackend,
+        kv: KVCache,
+        token_pool: torch.Tensor,  # [slots, max_len] int64
+        page_table: torch.Tensor,  # [slots, max_pages] int32
+        page_size: int,
+        sampler: Sampler,
+        staging: PinnedStaging,
+        seed: int,
+        max_bs: int,
+        pad_slot: int,
+    ) -> None:
+        if not supports_cuda_graph(attn):
+            raise ValueError(f"attention backend {type(attn).__name__} cannot run in CUDA graphs")
+        self.model, self.attn, self.kv = model, attn, kv
+        self.token_pool, self.page_table, self.page_size = token_pool, page_table, page_size
+        self.sampler, self.staging = sampler, staging
         self.sizes = capture_sizes(max_bs)
         self.max_bs = self.sizes[-1]
         self.pad_slot = pad_slot
-        dev = runner.device
+        dev = token_pool.device
         # Room for the slots and positions plus a few page-table writes per row (more go in a new tensor).
         self.io = torch.zeros(2 * self.max_bs + 3 * 4 * self.max_bs, dtype=torch.int64, device=dev)
         self.tokens = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
-        self.philox_key = philox_key(runner.config.seed, dev)
+        self.philox_key = philox_key(seed, dev)
         self._torch_temperature = False
-        runner.attn.init_cuda_graph(self.max_bs, runner.page_table.shape[1])
+        attn.init_cuda_graph(self.max_bs, page_table.shape[1])
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.samplers: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
@@ -89,26 +115,24 @@ class DecodeGraphs:
         )
 
     def _forward(self, bs: int) -> torch.Tensor:
-        r = self.runner
         slots, positions = self.io[:bs], self.io[bs : 2 * bs]
-        input_ids, out_loc = decode_inputs(r.token_pool, r.page_table, slots, positions, r.page_size)
-        fb = ForwardBatch("decode", input_ids, positions, out_loc, r.attn, r.kv)
-        return r.model.compute_logits(r.model.forward(fb))
+        input_ids, out_loc = decode_inputs(self.token_pool, self.page_table, slots, positions, self.page_size)
+        fb = ForwardBatch("decode", input_ids, positions, out_loc, self.attn, self.kv)
+        return self.model.compute_logits(self.model.forward(fb))
 
     def _sample(self, mode: str, bs: int) -> None:
-        r = self.runner
         slots, positions, logits = self.io[:bs], self.io[bs : 2 * bs], self.logits[bs]
         if mode == "greedy":
             tokens = greedy_tokens(logits)
         elif mode == "temperature":
-            scale = sampling_scale(r.sampler.temperature[slots], r.sampler.greedy_rows(slots))
+            scale = sampling_scale(self.sampler.temperature[slots], self.sampler.greedy[slots])
             tokens = gumbel_tokens(logits, scale, self.philox_key)
             self.philox_key.add_(1)
         else:  # "temperature" in plain torch ops, where the Triton kernel could not be built
-            temperature = r.sampler.temperature[slots]
-            tokens = temperature_tokens(logits.float(), temperature, r.sampler.greedy_rows(slots))
+            temperature = self.sampler.temperature[slots]
+            tokens = temperature_tokens(logits.float(), temperature, self.sampler.greedy[slots])
         self.tokens[:bs].copy_(tokens)
-        r.token_pool[slots, positions + 1] = tokens
+        self.token_pool[slots, positions + 1] = tokens
 
     def _capture_sampler(self, mode: str, bs: int, pool: object) -> torch.cuda.CUDAGraph:
         if mode == "temperature" and self._torch_temperature:
@@ -127,7 +151,7 @@ class DecodeGraphs:
         self, fn: Callable[[], torch.Tensor | None], bs: int | None, pool: object
     ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor | None]:
         if bs is not None:
-            self.runner.attn.plan_capture(bs)
+            self.attn.plan_capture(bs)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -142,12 +166,25 @@ class DecodeGraphs:
     def padded_size(self, n: int) -> int | None:
         return next((s for s in self.sizes if s >= n), None)
 
-    def replay(self, meta: AttentionMetadata, bs: int, sample_mode: str | None) -> torch.Tensor:
-        """Runs the batch whose slots and positions are in `io`; returns the [bs, V] logits.
+    def stage(self, bs: int, slots: list[int], positions: list[int], extra: list[int]) -> GraphInputs:
+        """Copies a decode batch of len(slots) rows into the inputs of size `bs` (its `padded_size`; padded rows
+        name the scratch slot at position 0), followed by `extra`, in one host-to-device copy."""
+        n = len(slots)
+        pad = bs - n
+        packed = slots + [self.pad_slot] * pad + positions + [0] * pad + extra
+        if len(packed) <= self.io.numel():
+            io = self.staging.upload(packed, self.io)
+        else:  # an unusually large `extra`: stage it all in a new tensor, then fill the graph's inputs
+            io = self.staging.upload(packed)
+            self.io[: 2 * bs].copy_(io[: 2 * bs])
+        return GraphInputs(io[:n], io[bs : bs + n], io[2 * bs :])
 
-        With a `sample_mode`, the tokens are in `tokens[:bs]` and already in the token pool."""
-        self.runner.attn.plan_replay(meta, bs)
+    def replay(self, meta: AttentionMetadata, bs: int, sample_mode: str | None) -> torch.Tensor:
+        """Runs the batch `stage` put in the inputs of size `bs`: [bs] sampled tokens with a `sample_mode`
+        (already in the token pool), else the [bs, V] logits."""
+        self.attn.plan_replay(meta, bs)
         self.graphs[bs].replay()
-        if sample_mode is not None:
-            self.samplers[sample_mode, bs].replay()
-        return self.logits[bs]
+        if sample_mode is None:
+            return self.logits[bs]
+        self.samplers[sample_mode, bs].replay()
+        return self.tokens[:bs]

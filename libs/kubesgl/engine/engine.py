@@ -22,15 +22,15 @@ from kubesgl.engine.config import EngineConfig
 from kubesgl.engine.plan import BatchPlan
 from kubesgl.engine.request import Req
 from kubesgl.engine.runner import ModelRunner, StepResult
-from kubesgl.engine.sampling import SamplingParams
 from kubesgl.engine.scheduler import Scheduler, SchedulerLimits
-from kubesgl.engine.step_profile import StepProfile
-from kubesgl.engine.types import EngineStats, ModelInfo, RequestOutput
+from kubesgl.engine.step_profile import StepHook, StepProfile
 from kubesgl.errors import InvalidRequestError
 from kubesgl.kv.kv_events import KVEvents
 from kubesgl.kv.page_pool import PagePool
 from kubesgl.kv.prefix_cache import NaiveCache, PrefixCache
 from kubesgl.kv.radix import RadixCache
+from kubesgl.values.outputs import EngineStats, ModelInfo, RequestOutput
+from kubesgl.values.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
@@ -49,6 +49,10 @@ def _validate(config: EngineConfig) -> None:
         (config.max_prefill_tokens >= 1, "max_prefill_tokens must be >= 1"),
         (config.device in ("cpu", "cuda"), f"device must be 'cpu' or 'cuda', got {config.device!r}"),
         (config.num_pages is None or config.num_pages >= 1, "num_pages must be >= 1"),
+        (
+            config.default_max_tokens is None or config.default_max_tokens >= 1,
+            "default_max_tokens must be >= 1",
+        ),
     ]
     for ok, why in checks:
         if not ok:
@@ -151,7 +155,7 @@ def overlap_enabled(config: EngineConfig) -> bool:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, step_hook: StepHook | None = None) -> None:
         started = time.perf_counter()
         _validate(config)
         if config.node_rank != 0:
@@ -181,6 +185,7 @@ class Engine:
                 context_len=r.context_len,
                 vocab_size=r.model.vocab_size,
                 eos_token_ids=tuple(r.model.eos_token_ids),
+                default_max_tokens=config.default_max_tokens,
             ),
             self.pool,
             cache,
@@ -189,9 +194,9 @@ class Engine:
         self.cache = cache
         self.overlap = overlap_enabled(config)
         self._inflight: tuple[BatchPlan, list[Req], StepResult] | None = None
-        on = os.environ.get("KUBESGL_STEP_PROFILE", "") not in ("", "0")
-        self.profile: StepProfile | None = StepProfile() if on else None
-        self._timing: dict[int, tuple] = {}
+        if step_hook is None and os.environ.get("KUBESGL_STEP_PROFILE", "") not in ("", "0"):
+            step_hook = StepProfile(on_cuda=self.runner.device.type == "cuda")
+        self.step_hook = step_hook  # called at each phase of step() (profiling); None costs nothing
         hf = r.model.hf_config
         self.info = ModelInfo(
             name=os.path.basename(os.path.normpath(config.model_path)),
@@ -207,6 +212,7 @@ class Engine:
 
     # -- the driver's interface ---------------------------------------------------------------------
     def add_request(self, rid: str, input_ids: list[int], params: SamplingParams) -> None:
+        """The engine's gate: raises InvalidRequestError (or ContextLengthError) for a request it cannot run."""
         self.scheduler.add_request(rid, input_ids, params)
 
     def abort(self, rid: str) -> None:
@@ -216,23 +222,20 @@ class Engine:
         return self.scheduler.has_work() or self._inflight is not None
 
     def step(self) -> list[RequestOutput]:
-        prof = self.profile
-        if prof is not None:
-            prof.tick()
+        hook = self.step_hook
+        if hook is not None:
+            hook.step_started()
         outputs: list[RequestOutput] = []
         scheduled = self.scheduler.schedule()
         launched = None
         if scheduled is not None:
             plan, reqs = scheduled
-            if prof is not None:
-                t_sched = prof.tick()
-                ev = prof.events(self.runner.device.type == "cuda")
+            if hook is not None:
+                hook.scheduled(plan)
             self.tp.broadcast_object(plan)
             launched = (plan, reqs, self.runner.execute(plan))
-            if prof is not None:
-                if ev is not None:
-                    ev[1].record()
-                self._timing[id(plan)] = (t_sched, prof.tick(), ev)
+            if hook is not None:
+                hook.launched(plan)
         if self.overlap:
             done, self._inflight = self._inflight, launched
         else:
@@ -240,18 +243,11 @@ class Engine:
         if done is not None:
             plan, reqs, result = done
             host = result.to_host()
-            if prof is not None:
-                t_wait = prof.tick()
+            if hook is not None:
+                hook.read_back(plan)
             outputs += self.scheduler.process(plan, reqs, host)
-            if prof is not None:
-                t_sched, t_launch, ev = self._timing.pop(id(plan))
-                b = prof.buckets[prof.key(plan.mode, plan.batch_size)]
-                b.steps += 1
-                b.schedule += t_sched
-                b.launch += t_launch
-                b.wait += t_wait
-                b.process += prof.tick()
-                b.device += ev[0].elapsed_time(ev[1]) / 1e3 if ev is not None else 0.0
+            if hook is not None:
+                hook.processed(plan)
         outputs += self.scheduler.drain_finished()
         return outputs
 

@@ -9,10 +9,10 @@ from typing import Any
 
 from kubesgl.engine.config import EngineConfig
 from kubesgl.engine.engine import Engine
-from kubesgl.engine.sampling import SamplingParams
 from kubesgl.errors import InvalidRequestError
 from kubesgl.models.random_init import resolve_demo
 from kubesgl.text.tokenizer import ModelTokenizer
+from kubesgl.values.sampling import SamplingParams
 
 
 class LLM:

@@ -5,22 +5,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from kubesgl.values.sampling import SamplingParams
+
 
 @dataclass(frozen=True)
 class SlotInit:
-    """Sampling state of a request newly placed in a slot (kept on the device for its whole life)."""
+    """A request newly placed in a slot: its sampling parameters, kept on the device for its whole life."""
 
     slot: int
     prompt_len: int
-    temperature: float
-    top_k: int
-    top_p: float
-    min_p: float
-    presence_penalty: float
-    frequency_penalty: float
-    repetition_penalty: float
-    seed: int
-    seed_given: bool = False  # the client asked for this seed: sample reproducibly from it
+    params: SamplingParams
+    seed: int  # params.seed, or one drawn from the engine's RNG
+
+    @property
+    def seed_given(self) -> bool:
+        """The client asked for this seed: sample reproducibly from it."""
+        return self.params.seed is not None
 
 
 @dataclass

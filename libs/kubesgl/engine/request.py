@@ -5,8 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from kubesgl.engine.sampling import SamplingParams
-from kubesgl.engine.types import TokenLogprob
+from kubesgl.values.outputs import FinishReason, TokenLogprob
+from kubesgl.values.sampling import SamplingParams
 
 
 class ReqState(enum.Enum):
@@ -22,6 +22,7 @@ class Req:
     params: SamplingParams
     seed: int  # the sampling seed (params.seed, or drawn from the engine's RNG)
     arrival: int  # admission order, for FIFO and preemption choice
+    max_new_tokens: int  # params.max_tokens, or what an open-ended request may generate
     output_ids: list[int] = field(default_factory=list)
     state: ReqState = ReqState.WAITING
     slot: int = -1  # row in the runner's token pool / page table
@@ -32,7 +33,7 @@ class Req:
     prefill_target: int = 0  # tokens that need KV before decoding starts (prompt, + outputs after preemption)
     pending: int = 0  # tokens sampled by launched batches whose values the host has not seen yet
     cached_tokens: int = -1  # prefix-cache hit at first admission (-1: not admitted yet)
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     emitted: int = 0  # output tokens already reported
     logprobs: list[TokenLogprob] = field(default_factory=list)
 

@@ -15,15 +15,18 @@ from dataclasses import dataclass
 import torch
 
 from kubesgl.attention.base import AttentionMetadata
+from kubesgl.attention.registry import create_backend
 from kubesgl.distributed import TPGroup
 from kubesgl.engine.config import EngineConfig
-from kubesgl.engine.forward import ForwardBatch
+from kubesgl.engine.cuda_graph import DecodeGraphs, auto_max_bs
 from kubesgl.engine.plan import BatchPlan
 from kubesgl.engine.sampler import Sampler
 from kubesgl.engine.scheduler import StepTokens
 from kubesgl.engine.transfer import PinnedStaging
-from kubesgl.engine.types import TokenLogprob
 from kubesgl.kv.kv_cache import KVCache
+from kubesgl.layers.forward import ForwardBatch
+from kubesgl.models.loader import load_model
+from kubesgl.values.outputs import TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -79,9 +82,6 @@ class StepResult:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, tp: TPGroup) -> None:
-        from kubesgl.attention.registry import create_backend
-        from kubesgl.models.loader import load_model
-
         self.config = config
         self.tp = tp
         self.device = torch.device(config.device if config.device != "cuda" else f"cuda:{tp.device_index}")
@@ -120,12 +120,22 @@ class ModelRunner:
             head_dim=m.head_dim,
             dtype=m.dtype,
         )
-        self.graphs = None
+        self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and config.cuda_graph_max_bs != 0:
-            from kubesgl.engine.cuda_graph import DecodeGraphs, auto_max_bs
-
             max_bs = config.cuda_graph_max_bs or auto_max_bs(self.device, slots)
-            self.graphs = DecodeGraphs(self, min(max_bs, slots), pad_slot=slots)
+            self.graphs = DecodeGraphs(
+                model=m,
+                attn=self.attn,
+                kv=self.kv,
+                token_pool=self.token_pool,
+                page_table=self.page_table,
+                page_size=self.page_size,
+                sampler=self.sampler,
+                staging=self.staging,
+                seed=config.seed,
+                max_bs=min(max_bs, slots),
+                pad_slot=slots,
+            )
         # Unseeded sampling draws from this generator: every TP rank must draw the same numbers.
         torch.manual_seed(config.seed)
 
@@ -163,31 +173,23 @@ class ModelRunner:
         """A decode step through the captured graphs: one host-to-device copy, then two graph replays."""
         graphs = self.graphs
         assert graphs is not None
-        n, pad = len(plan.slots), bs - len(plan.slots)
-        head = plan.slots + [graphs.pad_slot] * pad + plan.prefix_lens + [0] * pad
-        cells = _page_cells(plan.page_writes)
-        packed = head + cells
-        if len(packed) <= graphs.io.numel():
-            io = self.staging.upload(packed, graphs.io)
-        else:  # an unusually large page-table write: stage it all in a new tensor, then fill the graph's io
-            io = self.staging.upload(packed)
-            graphs.io[: 2 * bs].copy_(io[: 2 * bs])
-        self._write_page_table(io[2 * bs :])
-        slots_t, positions = io[:n], io[bs : bs + n]
+        n = len(plan.slots)
+        staged = graphs.stage(bs, plan.slots, plan.prefix_lens, _page_cells(plan.page_writes))
+        self._write_page_table(staged.extra)
         meta = AttentionMetadata(
             mode="decode",
             page_size=self.page_size,
             seq_lens=plan.seq_lens,
             extend_lens=plan.extend_lens,
             prefix_lens=plan.prefix_lens,
-            page_table=self.page_table[slots_t],
-            seq_lens_dev=(positions + 1).to(torch.int32),
+            page_table=self.page_table[staged.slots],
+            seq_lens_dev=(staged.positions + 1).to(torch.int32),
         )
         mode = self.sampler.graph_mode(plan.slots, plan.top_logprobs)
-        logits = graphs.replay(meta, bs, mode)
+        out = graphs.replay(meta, bs, mode)
         if mode is not None:
-            return self._result(plan, graphs.tokens[:n], None, None, None)
-        return self._sample(plan, logits[:n].float(), slots_t, positions + 1)
+            return self._result(plan, out[:n], None, None, None)
+        return self._sample(plan, out[:n].float(), staged.slots, staged.positions + 1)
 
     def _execute_eager(self, plan: BatchPlan) -> StepResult:
         """Any batch, op by op: extend, decode without graphs, or larger than the largest graph."""

@@ -12,6 +12,7 @@ import torch
 
 from kubesgl.engine.plan import SlotInit
 from kubesgl.engine.transfer import to_device
+from kubesgl.values.sampling import SamplingParams
 
 _M32 = 0xFFFFFFFF
 _HASH_MUL = 0x45D9F3B  # small enough that a 32-bit value times it stays inside int64
@@ -33,8 +34,9 @@ def temperature_probs(logits: torch.Tensor, temperature: torch.Tensor) -> torch.
 
 
 def exponential_race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """argmax p / E with E ~ Exp(1) draws from p exactly (Gumbel-max in ratio form)."""
-    return (probs / noise).argmax(dim=-1)
+    """argmax p / E with E ~ Exp(1) draws from p exactly (Gumbel-max in ratio form). E is kept above 0: a draw
+    of exactly 0 would make a zero-probability (masked, filtered) token's 0 / 0 a NaN that wins the argmax."""
+    return (probs / noise.clamp_min(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
 
 
 def temperature_tokens(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
@@ -53,7 +55,13 @@ def seeded_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> 
     s = _mix32((s ^ _mix32(positions & _M32)) & _M32)
     ids = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
     x = _mix32((s[:, None] ^ _mix32(ids)[None, :] * 3 + 0x9E37) & _M32)
-    return ((x >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    # 23 bits: (2**23 - 0.5) / 2**23 is still below 1 in float32 ((2**24 - 0.5) / 2**24 rounded to 1.0, whose
+    # zero noise made a masked token's 0 / 0 = NaN win the race).
+    return ((x >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
+
+
+def _penalized(p: SamplingParams) -> bool:
+    return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0)
 
 
 def _put(members: set[int], slot: int, member: bool) -> None:
@@ -79,6 +87,9 @@ class Sampler:
         self.repetition = col(torch.float32, 1.0)
         self.seed = col(torch.int64, 0)
         self.prompt_len = col(torch.int64, 0)
+        self.greedy = torch.zeros(
+            max_slots, dtype=torch.bool, device=device
+        )  # SamplingParams.greedy per slot
         self.device = device
         # Host mirrors that decide which (costly) stages a batch needs, without reading the device.
         self._host: dict[int, SlotInit] = {}
@@ -97,18 +108,18 @@ class Sampler:
             ("presence", "presence_penalty"),
             ("frequency", "frequency_penalty"),
             ("repetition", "repetition_penalty"),
-            ("seed", "seed"),
-            ("prompt_len", "prompt_len"),
+            ("greedy", "greedy"),
         ):
             t: torch.Tensor = getattr(self, name)
-            t[idx] = to_device([getattr(s, attr) for s in inits], t.dtype, self.device)
+            t[idx] = to_device([getattr(s.params, attr) for s in inits], t.dtype, self.device)
+        self.seed[idx] = to_device([s.seed for s in inits], torch.int64, self.device)
+        self.prompt_len[idx] = to_device([s.prompt_len for s in inits], torch.int64, self.device)
         for s in inits:
             self._host[s.slot] = s
-            greedy = s.temperature == 0 or s.top_k == 1
-            penalized = s.presence_penalty or s.frequency_penalty or s.repetition_penalty != 1.0
-            filtered = s.top_k > 1 or s.top_p < 1.0 or s.min_p > 0 or s.seed_given
-            _put(self._random_slots, s.slot, not greedy)
-            _put(self._eager_slots, s.slot, bool(penalized or (filtered and not greedy)))
+            p = s.params
+            filtered = p.top_k > 1 or p.top_p < 1.0 or p.min_p > 0 or s.seed_given
+            _put(self._random_slots, s.slot, not p.greedy)
+            _put(self._eager_slots, s.slot, _penalized(p) or (filtered and not p.greedy))
 
     def graph_mode(self, slots: list[int], top_logprobs: list[int]) -> str | None:
         """ "greedy" or "temperature" when `greedy_tokens`/`temperature_tokens` sample this batch exactly as
@@ -116,10 +127,6 @@ class Sampler:
         if max(top_logprobs, default=-1) >= 0 or not self._eager_slots.isdisjoint(slots):
             return None
         return "greedy" if self._random_slots.isdisjoint(slots) else "temperature"
-
-    def greedy_rows(self, slot_t: torch.Tensor) -> torch.Tensor:
-        """[B] bool on the device: the rows `temperature_tokens` must answer by argmax."""
-        return (self.temperature[slot_t] == 0) | (self.top_k[slot_t] == 1)
 
     def sample(
         self,
@@ -130,19 +137,20 @@ class Sampler:
         top_logprobs: list[int],
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         """Returns (tokens [B], chosen logprob [B] | None, top ids [B, n] | None, top logprobs [B, n] | None)."""
-        host = [self._host[s] for s in slots]
+        host = [self._host[s].params for s in slots]
+        seeded = [i for i, s in enumerate(slots) if self._host[s].seed_given]
         slot_t = to_device(slots, torch.int64, logits.device)
         want_lp = max(top_logprobs) >= 0
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_lp else None
 
-        if any(h.presence_penalty or h.frequency_penalty or h.repetition_penalty != 1.0 for h in host):
-            logits = self._apply_penalties(logits, host, slot_t, seq_lens, token_pool)
+        if any(_penalized(h) for h in host):
+            logits = self._apply_penalties(logits, slot_t, seq_lens, token_pool)
 
-        greedy = [h.temperature == 0 or h.top_k == 1 for h in host]
+        greedy = [h.greedy for h in host]
         if all(greedy):
             tokens = greedy_tokens(logits)
         else:
-            tokens = self._sample_random(logits, host, slot_t, seq_lens, greedy)
+            tokens = self._sample_random(logits, host, slot_t, seq_lens, greedy, seeded)
 
         if raw_logprobs is None:
             return tokens, None, None, None
@@ -156,7 +164,6 @@ class Sampler:
     def _apply_penalties(
         self,
         logits: torch.Tensor,
-        host: list[SlotInit],
         slot_t: torch.Tensor,
         seq_lens: list[int],
         token_pool: torch.Tensor,
@@ -181,10 +188,11 @@ class Sampler:
     def _sample_random(
         self,
         logits: torch.Tensor,
-        host: list[SlotInit],
+        host: list[SamplingParams],
         slot_t: torch.Tensor,
         seq_lens: list[int],
         greedy: list[bool],
+        seeded: list[int],  # rows whose client gave a seed
     ) -> torch.Tensor:
         probs = temperature_probs(logits, self.temperature[slot_t])
         if any(h.top_k > 1 or h.top_p < 1.0 for h in host):
@@ -200,7 +208,6 @@ class Sampler:
             floor = self.min_p[slot_t][:, None] * probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < floor, 0.0)
         noise = torch.empty_like(probs).exponential_()
-        seeded = [i for i, h in enumerate(host) if h.seed_given]
         if seeded:  # reproducible rows: noise from (seed, position, token id) alone, whatever the batch
             rows = to_device(seeded, torch.int64, logits.device)
             positions = to_device([seq_lens[i] for i in seeded], torch.int64, logits.device)

@@ -10,11 +10,11 @@ from dataclasses import dataclass
 
 from kubesgl.engine.plan import BatchPlan, SlotInit
 from kubesgl.engine.request import Req, ReqState
-from kubesgl.engine.sampling import SamplingParams
-from kubesgl.engine.types import RequestOutput, TokenLogprob
 from kubesgl.errors import ContextLengthError, InvalidRequestError
 from kubesgl.kv.page_pool import PagePool
 from kubesgl.kv.prefix_cache import PrefixCache
+from kubesgl.values.outputs import FinishReason, RequestOutput, TokenLogprob
+from kubesgl.values.sampling import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,7 @@ class SchedulerLimits:
     context_len: int
     vocab_size: int
     eos_token_ids: tuple[int, ...]
+    default_max_tokens: int | None = None  # budget of a request without max_tokens (None: the whole context)
 
 
 @dataclass
@@ -78,7 +79,17 @@ class Scheduler:
                 f"token id {bad} is outside the vocabulary [0, {self.limits.vocab_size})", param="prompt"
             )
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        req = Req(rid=rid, input_ids=list(input_ids), params=params, seed=seed, arrival=next(self._arrival))
+        # The one place an open-ended max_tokens gets its meaning: the server's default, else no cap but the
+        # context (every request also stops where the context ends, so the budget is min(N, rest of context)).
+        budget = params.max_tokens if params.max_tokens is not None else self.limits.default_max_tokens
+        req = Req(
+            rid=rid,
+            input_ids=list(input_ids),
+            params=params,
+            seed=seed,
+            arrival=next(self._arrival),
+            max_new_tokens=budget if budget is not None else ctx - n,
+        )
         self.reqs[rid] = req
         self.waiting.append(req)
 
@@ -88,7 +99,7 @@ class Scheduler:
             return
         if req.state is ReqState.WAITING:
             self.waiting.remove(req)
-        self._finish(req, "abort")
+        self._finish(req, FinishReason.ABORT)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._finished_unreported)
@@ -144,9 +155,7 @@ class Scheduler:
         batch = [
             r
             for r in self.running
-            if not r.is_prefilling
-            and len(r.output_ids) + r.pending < r.params.max_tokens
-            and r.kv_len + 1 < ctx
+            if not r.is_prefilling and len(r.output_ids) + r.pending < r.max_new_tokens and r.kv_len + 1 < ctx
         ]
         if not batch:
             return None
@@ -159,7 +168,7 @@ class Scheduler:
             if chunking:  # half-prefilled requests give way first: decoders are closer to done
                 self._preempt(max(chunking, key=lambda r: r.arrival))
             elif len(batch) == 1:  # alone and still no room: the KV cache cannot hold this sequence
-                self._finish(batch.pop(), "length")
+                self._finish(batch.pop(), FinishReason.LENGTH)
             else:
                 self._preempt(batch.pop())  # the newest request gives way
         if not batch:
@@ -178,7 +187,7 @@ class Scheduler:
 
     @staticmethod
     def _top_logprobs(req: Req) -> int:
-        return req.params.top_logprobs if req.params.logprobs else -1
+        return req.params.logprobs.top if req.params.logprobs is not None else -1
 
     def _admit(self, req: Req, plan: BatchPlan) -> None:
         self.waiting.remove(req)
@@ -194,22 +203,7 @@ class Scheduler:
             self.cached_tokens_total += req.kv_len
         if pages:
             plan.page_writes.append((req.slot, 0, list(pages)))
-        p = req.params
-        plan.slot_inits.append(
-            SlotInit(
-                req.slot,
-                len(req.input_ids),
-                p.temperature,
-                p.top_k,
-                p.top_p,
-                p.min_p,
-                p.presence_penalty,
-                p.frequency_penalty,
-                p.repetition_penalty,
-                req.seed,
-                p.seed is not None,
-            )
-        )
+        plan.slot_inits.append(SlotInit(req.slot, len(req.input_ids), req.params, req.seed))
         self.running.append(req)
 
     def _unadmit(self, req: Req, plan: BatchPlan) -> None:
@@ -252,7 +246,7 @@ class Scheduler:
         idx = next((i for i, r in enumerate(self.waiting) if r.arrival > req.arrival), len(self.waiting))
         self.waiting.insert(idx, req)
 
-    def _finish(self, req: Req, reason: str) -> None:
+    def _finish(self, req: Req, reason: FinishReason) -> None:
         if req.state is ReqState.RUNNING:
             self._release(req)
         req.state = ReqState.FINISHED
@@ -278,9 +272,9 @@ class Scheduler:
             touched.append(req)
             p = req.params
             if (tok in eos and not p.ignore_eos) or tok in p.stop_token_ids:
-                self._finish(req, "stop")
-            elif len(req.output_ids) >= p.max_tokens or req.num_known >= self.limits.context_len:
-                self._finish(req, "length")
+                self._finish(req, FinishReason.STOP)
+            elif len(req.output_ids) >= req.max_new_tokens or req.num_known >= self.limits.context_len:
+                self._finish(req, FinishReason.LENGTH)
             elif plan.mode == "extend":  # prefill just completed: share the prompt with later requests
                 self._cache_prefix(req, min(req.prefill_target, req.num_known))
         return [self._output(r) for r in touched if not r.finished] + self.drain_finished()
@@ -305,7 +299,7 @@ class Scheduler:
 
     def _output(self, req: Req) -> RequestOutput:
         new = req.output_ids[req.emitted :]
-        lps = req.logprobs[req.emitted :] if req.params.logprobs else None
+        lps = req.logprobs[req.emitted :] if req.params.logprobs is not None else None
         req.emitted = len(req.output_ids)
         if req.finished:
             self.reqs.pop(req.rid, None)

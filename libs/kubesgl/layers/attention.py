@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from kubesgl.engine.forward import ForwardBatch
+    from kubesgl.layers.forward import ForwardBatch
 
 
 class Attention(nn.Module):

@@ -16,7 +16,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kubesgl.distributed import TPGroup, shard_range
@@ -50,24 +49,6 @@ def load_full(param: nn.Parameter, full: torch.Tensor, shard_id: Any = None) -> 
 def _narrow_rank(full: torch.Tensor, dim: int, tp: TPGroup) -> torch.Tensor:
     start, end = shard_range(full.shape[dim], tp)
     return full.narrow(dim, start, end - start)
-
-
-class ColumnParallelLinear(nn.Module):
-    """y = x W^T + b with W's output rows split over ranks; the output stays sharded."""
-
-    def __init__(self, in_features: int, out_features: int, *, bias: bool, tp: TPGroup) -> None:
-        super().__init__()
-        self.tp = tp
-        start, end = shard_range(out_features, tp)
-        self.out_per_rank = end - start
-        self.weight = make_param((self.out_per_rank, in_features), self._load)
-        self.bias = make_param((self.out_per_rank,), self._load) if bias else None
-
-    def _load(self, param: nn.Parameter, full: torch.Tensor, shard_id: Any = None) -> None:
-        copy_checked(param.data, _narrow_rank(full, 0, self.tp), "column-parallel weight")
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
 
 
 class _NormedInput(nn.Module):

@@ -2,13 +2,11 @@
 
 Experts are stacked: w13 [E, 2*I/tp, H] holds each expert's [gate | up] rows for this rank's slice of
 the intermediate dim, w2 [E, H, I/tp] its down projection. The block runs `kernels.fused_moe`: Triton
-grouped GEMMs on CUDA (no host sync, so decode can be captured in a CUDA graph) and `experts_forward`,
-the plain-torch reference, elsewhere.
+grouped GEMMs on CUDA (no host sync, so decode can be captured in a CUDA graph) and its plain-torch
+reference `kernels.fused_moe.experts_forward` elsewhere.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -16,11 +14,8 @@ from torch import nn
 
 from kubesgl.distributed import TPGroup, shard_range
 from kubesgl.kernels import fused_moe
+from kubesgl.kernels.fused_moe import ExpertsForward
 from kubesgl.layers.linear import copy_checked, load_full, make_param
-
-ExpertsForward = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
-]
 
 
 def route_topk(
@@ -32,36 +27,6 @@ def route_topk(
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids
-
-
-def experts_forward(
-    x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-) -> torch.Tensor:
-    """sum_k weight_k * expert_{id_k}(x) with tokens grouped by expert (one matmul pair per hit expert).
-
-    Reference kernel: reading the per-expert counts syncs with the host, which `fused_moe` avoids on CUDA.
-    """
-    t, k = topk_ids.shape
-    flat_ids = topk_ids.reshape(-1)
-    order = torch.argsort(flat_ids, stable=True)
-    token_of = order // k
-    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
-    weights = topk_weights.reshape(-1)[order].to(x.dtype)
-    out = torch.zeros_like(x)
-    start = 0
-    for expert, n in enumerate(counts):
-        if n == 0:
-            continue
-        rows = token_of[start : start + n]
-        gate, up = F.linear(x[rows], w13[expert]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2[expert]) * weights[start : start + n, None]
-        out.index_add_(0, rows, y)
-        start += n
-    return out
 
 
 class SparseMoeBlock(nn.Module):

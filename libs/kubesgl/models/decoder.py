@@ -27,7 +27,7 @@ from kubesgl.layers.rotary import RotaryEmbedding
 from kubesgl.models.hf_config import eos_token_ids, head_dim_of, rope_settings
 
 if TYPE_CHECKING:
-    from kubesgl.engine.forward import ForwardBatch
+    from kubesgl.layers.forward import ForwardBatch
 
 # HF checkpoint name piece -> (our fused parameter's name piece, shard id).
 STACKED_PARAMS: dict[str, tuple[str, Any]] = {

@@ -4,9 +4,7 @@ fan-out `n`, and streaming options. Every accepted field is honoured here or rej
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
 
-from kubesgl.engine.sampling import SamplingParams
 from kubesgl.errors import InvalidRequestError
 from kubesgl.openai_api.request_models import (
     ChatCompletionRequest,
@@ -14,12 +12,11 @@ from kubesgl.openai_api.request_models import (
     NativeGenerateRequest,
     SamplingFields,
 )
-from kubesgl.protocol import sampling_to_dict
+from kubesgl.values.sampling import MAX_TOP_LOGPROBS, LogprobOptions, SamplingParams
 
 MAX_N = 128  # also the cap on choices x prompts of one request
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256  # hold-back scans are quadratic in a stop string's length
-MAX_TOP_LOGPROBS = 20
 _INT64 = 2**63  # the wire (msgpack) carries 64-bit integers
 
 
@@ -27,8 +24,7 @@ _INT64 = 2**63  # the wire (msgpack) carries 64-bit integers
 class GenerationSpec:
     """One validated request: `params` for choice 0; `params_for_choice(i)` for the fan-out children.
 
-    `open_ended`: the client set no max_tokens, so it is the rest of the context, which only the tokenizer
-    (knowing the prompt's length) can fill in; on the wire it is sent as max_tokens None.
+    `params.max_tokens` is None when the client set none: the engine gives it the rest of the context.
     """
 
     params: SamplingParams
@@ -36,20 +32,12 @@ class GenerationSpec:
     n: int = 1
     stream: bool = False
     include_usage: bool = False
-    open_ended: bool = False
 
     def params_for_choice(self, index: int) -> SamplingParams:
         # Distinct seeds keep n seeded samples different yet reproducible; choice 0 keeps the request's seed.
         if self.params.seed is None or index == 0:
             return self.params
         return replace(self.params, seed=(self.params.seed + index) % 2**63)
-
-    def wire_sampling(self, index: int) -> dict[str, Any]:
-        """The TokenizeRequest `sampling` dict of choice `index`."""
-        out = sampling_to_dict(self.params_for_choice(index))
-        if self.open_ended:
-            out["max_tokens"] = None
-        return out
 
 
 def chat_spec(req: ChatCompletionRequest) -> GenerationSpec:
@@ -110,8 +98,7 @@ def native_spec(req: NativeGenerateRequest) -> GenerationSpec:
         seed=sp.seed,
         stop_token_ids=tuple(sp.stop_token_ids or ()),
         ignore_eos=sp.ignore_eos,
-        logprobs=req.return_logprob,
-        top_logprobs=req.top_logprobs_num,
+        logprobs=LogprobOptions(top=req.top_logprobs_num) if req.return_logprob else None,
     )
     _validate(params, {"max_tokens": "sampling_params.max_new_tokens"})
     return GenerationSpec(params=params, stop=_stop_strings(sp.stop), stream=req.stream)
@@ -138,7 +125,7 @@ def _spec(
         f"{top_logprobs_param} must be at most {MAX_TOP_LOGPROBS} (got {top_logprobs})",
     )
     params = SamplingParams(
-        max_tokens=1 if max_tokens is None else max_tokens,  # open-ended: validated as 1, sent as None
+        max_tokens=max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
         top_k=-1 if req.top_k is None else req.top_k,
         top_p=1.0 if req.top_p is None else req.top_p,
@@ -149,14 +136,11 @@ def _spec(
         seed=req.seed,
         stop_token_ids=tuple(req.stop_token_ids or ()),
         ignore_eos=req.ignore_eos,
-        logprobs=logprobs,
-        top_logprobs=top_logprobs,
+        logprobs=LogprobOptions(top=top_logprobs) if logprobs else None,
     )
     _validate(params, {"top_logprobs": top_logprobs_param})
     include_usage = req.stream_options is not None and req.stream_options.include_usage
-    return GenerationSpec(
-        params, _stop_strings(req.stop), req.n, req.stream, include_usage, max_tokens is None
-    )
+    return GenerationSpec(params, _stop_strings(req.stop), req.n, req.stream, include_usage)
 
 
 def _stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:

@@ -1,5 +1,5 @@
 """OpenAI error bodies, built from kubesgl errors and from request-validation failures. Errors other
-services report arrive via protocol.error_from_dict."""
+services report arrive as protocol.ErrorInfo (ErrorInfo.to_error)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,13 @@
 """Normalizes the prompt shapes the API accepts into what the tokenizer service takes: chat messages as
-`{role, content}` dicts, or one PromptInput per completion prompt (text or token ids)."""
+protocol ChatMessages, or one PromptInput per completion prompt (text or token ids)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from kubesgl.errors import InvalidRequestError
-from kubesgl.openai_api.request_models import ChatMessage
+from kubesgl.openai_api import request_models
+from kubesgl.protocol import ChatMessage
 
 MAX_BATCH_PROMPTS = 64
 
@@ -18,18 +19,16 @@ class PromptInput:
     text: str | None = None
     input_ids: tuple[int, ...] | None = None
 
-    @property
-    def kind(self) -> str:
-        return "completion" if self.text is not None else "tokens"
 
-
-def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+def chat_messages(messages: list[request_models.ChatMessage]) -> tuple[ChatMessage, ...]:
     """Text parts are joined with newlines (vLLM's rule); "developer" is OpenAI's newer name for "system"."""
-    out = []
-    for msg in messages:
-        content = msg.content if isinstance(msg.content, str) else "\n".join(p.text for p in msg.content)
-        out.append({"role": "system" if msg.role == "developer" else msg.role, "content": content})
-    return out
+    return tuple(
+        ChatMessage(
+            role="system" if msg.role == "developer" else msg.role,
+            content=msg.content if isinstance(msg.content, str) else "\n".join(p.text for p in msg.content),
+        )
+        for msg in messages
+    )
 
 
 def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[PromptInput]:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kubesgl.openai_api.logprobs import chat_logprobs, completion_logprobs, native_logprobs
+from kubesgl.values.outputs import FinishReason, TokenLogprob
 
 
 @dataclass
@@ -16,9 +17,9 @@ class ChoiceResult:
 
     index: int
     text: str
-    finish_reason: str | None
+    finish_reason: FinishReason | None
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[str, Any]] | None = None  # per-token entries, None when not requested
+    logprobs: list[TokenLogprob] | None = None  # per-token entries, None when not requested
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
@@ -91,8 +92,8 @@ def chat_chunk(
     model: str,
     index: int,
     delta: dict[str, Any],
-    logprobs: list[dict[str, Any]] | None = None,
-    finish_reason: str | None = None,
+    logprobs: list[TokenLogprob] | None = None,
+    finish_reason: FinishReason | None = None,
 ) -> dict[str, Any]:
     return {
         "id": rid,
@@ -116,9 +117,9 @@ def completion_chunk(
     model: str,
     index: int,
     text: str,
-    logprobs: list[dict[str, Any]] | None = None,
+    logprobs: list[TokenLogprob] | None = None,
     text_offset: int = 0,
-    finish_reason: str | None = None,
+    finish_reason: FinishReason | None = None,
 ) -> dict[str, Any]:
     return {
         "id": rid,

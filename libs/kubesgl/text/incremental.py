@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from kubesgl.protocol import DETOK_CONTEXT_TOKENS
-
+# Tokens of already-sent context each TokenDelta carries: enough to re-cover a held-back UTF-8 character.
+DETOK_CONTEXT_TOKENS = 8
 _REPLACEMENT = "\ufffd"
 
 

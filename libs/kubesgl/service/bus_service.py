@@ -12,9 +12,9 @@ from typing import Protocol
 from nats.aio.client import Client
 from prometheus_client import CollectorRegistry
 
-from kubesgl.admin_http import AdminServer
-from kubesgl.lifecycle import configure_logging, stop_on_signals
-from kubesgl.nats_conn import NatsSettings, add_nats_arguments, connect
+from kubesgl.service.admin_http import AdminServer
+from kubesgl.service.lifecycle import configure_logging, stop_on_signals
+from kubesgl.service.nats_conn import NatsSettings, add_nats_arguments, connect
 
 log = logging.getLogger("kubesgl.service")
 

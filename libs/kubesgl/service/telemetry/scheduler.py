@@ -19,10 +19,9 @@ from dataclasses import dataclass
 from opentelemetry.context import Context
 from opentelemetry.trace import Span, Status, StatusCode
 
-from kubesgl.engine.types import EngineStats, RequestOutput
-from kubesgl.telemetry.metrics import SchedulerMetrics
-from kubesgl.telemetry.stats_log import StatsLog
-from kubesgl.telemetry.tracing import (
+from kubesgl.service.telemetry.metrics import SchedulerMetrics
+from kubesgl.service.telemetry.stats_log import StatsLog
+from kubesgl.service.telemetry.tracing import (
     ATTR_CACHED_TOKENS,
     ATTR_FINISH_REASON,
     ATTR_INSTANCE,
@@ -37,6 +36,7 @@ from kubesgl.telemetry.tracing import (
     extract,
     traceparent,
 )
+from kubesgl.values.outputs import EngineStats, RequestOutput
 
 
 @dataclass
@@ -101,7 +101,7 @@ class SchedulerTelemetry:
                 parents[out.rid] = traceparent(t.current)
                 if out.finished:
                     del self._requests[out.rid]
-                    self._finish(t, out.finish_reason, out.completion_tokens, out.error, now_s, now_ns)
+                    self._finish(t, out.finish_reason, out.completion_tokens, now_s, now_ns)
         return parents
 
     def on_abort(self, rid: str) -> None:
@@ -110,7 +110,7 @@ class SchedulerTelemetry:
         with self._lock:
             t = self._requests.pop(rid, None)
             if t is not None:
-                self._finish(t, "abort", None, None, now_s, now_ns)
+                self._finish(t, "abort", None, now_s, now_ns)
 
     def on_step(self, stats: EngineStats) -> None:
         self.metrics.on_step(stats)
@@ -142,16 +142,15 @@ class SchedulerTelemetry:
         t: _Timeline,
         finish_reason: str | None,
         completion_tokens: int | None,
-        error: str | None,
         now_s: float,
         now_ns: int,
     ) -> None:
         self.metrics.on_finished(now_s - t.arrival_s, finish_reason)
         span = t.current
         if finish_reason:
-            span.set_attribute(ATTR_FINISH_REASON, [finish_reason])
+            span.set_attribute(ATTR_FINISH_REASON, [str(finish_reason)])  # the enum's value
         if completion_tokens is not None:
             span.set_attribute(ATTR_OUTPUT_TOKENS, completion_tokens)
-        if error or finish_reason == "abort":
-            span.set_status(Status(StatusCode.ERROR, error or "aborted"))
+        if finish_reason == "abort":
+            span.set_status(Status(StatusCode.ERROR, "aborted"))
         span.end(end_time=now_ns)

@@ -37,7 +37,7 @@ from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 
-from kubesgl.engine.types import EngineStats
+from kubesgl.values.outputs import EngineStats
 
 # SGLang's default buckets (python/sglang/srt/metrics/collector.py, TokenizerMetricsCollector), with finer
 # ones below them down to 1 ms: on a fast model (and the demo) 88 % of TTFTs fell in SGLang's first, 0.1 s,

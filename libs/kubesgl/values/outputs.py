@@ -3,13 +3,27 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
+
+
+class FinishReason(StrEnum):
+    STOP = "stop"  # an EOS or stop token (the gateway also ends a choice on a stop string)
+    LENGTH = "length"  # max_tokens, or the end of the context
+    ABORT = "abort"  # aborted, or failed: the request's error says why
 
 
 @dataclass(frozen=True)
 class TokenLogprob:
+    """One generated token's logprob and its best alternatives: the engine fills the ids and logprobs, the
+    detokenizer the text (the same value all the way to the HTTP response)."""
+
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()  # (token_id, logprob), best first
+    token: str | None = None  # the token's text, or `bytes:\xNN...` for part of a UTF-8 character
+    token_bytes: bytes | None = None
+    top_tokens: tuple[str, ...] = ()  # the text of each of `top`
+    top_bytes: tuple[bytes, ...] = ()
 
 
 @dataclass
@@ -22,9 +36,8 @@ class RequestOutput:
     cached_tokens: int
     completion_tokens: int  # total so far, including new_token_ids
     finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprob] | None = None
-    error: str | None = None  # set with finish_reason "abort" when the engine rejected or failed it
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from kubesgl.engine.types import EngineStats
+from kubesgl.values.outputs import EngineStats
 
 log = logging.getLogger("kubesgl.scheduler.stats")
 

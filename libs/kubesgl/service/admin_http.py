@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry
 
-from kubesgl.telemetry.metrics import render
+from kubesgl.service.telemetry.metrics import render
 
 log = logging.getLogger("kubesgl.admin")
 

@@ -1,0 +1,1 @@
+"""Developer tools that check the code base itself (`python -m kubesgl.tools.imports`)."""

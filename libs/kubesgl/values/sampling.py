@@ -1,0 +1,87 @@
+"""Per-request sampling parameters (the public `SamplingParams`): one typed value from the HTTP edge to the
+sampler, checked by `validate()` at the two gates it passes (the gateway's request models and
+`Engine.add_request`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kubesgl.errors import InvalidRequestError
+
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class LogprobOptions:
+    """Which logprobs a request gets back: each generated token's, with its `top` most likely alternatives.
+
+    Prompt-token logprobs (SGLang's `return_logprob` from `logprob_start_len`) belong here as one more field.
+    """
+
+    top: int = 0
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request picks its tokens. temperature 0 (or top_k 1) means greedy; top_k -1 and top_p 1 mean off.
+
+    `max_tokens` None means until the context ends (OpenAI's default), capped by the server's
+    --default-max-tokens when one is set; the engine resolves it when it admits the request.
+    """
+
+    max_tokens: int | None = 16
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: LogprobOptions | None = None  # None: no logprobs
+
+    @property
+    def greedy(self) -> bool:
+        """The one definition of greedy: the argmax, no noise drawn."""
+        return self.temperature == 0 or self.top_k == 1
+
+    def validate(self) -> None:
+        """Raises InvalidRequestError naming the offending field."""
+        top = self.logprobs.top if self.logprobs is not None else 0
+        checks = [
+            (
+                self.max_tokens is None or self.max_tokens >= 1,
+                "max_tokens",
+                self.max_tokens,
+                "must be at least 1",
+            ),
+            (self.temperature >= 0, "temperature", self.temperature, "must be >= 0"),
+            (self.top_k == -1 or self.top_k >= 1, "top_k", self.top_k, "must be -1 (off) or >= 1"),
+            (0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]"),
+            (0 <= self.min_p <= 1, "min_p", self.min_p, "must be in [0, 1]"),
+            (
+                -2 <= self.presence_penalty <= 2,
+                "presence_penalty",
+                self.presence_penalty,
+                "must be in [-2, 2]",
+            ),
+            (
+                -2 <= self.frequency_penalty <= 2,
+                "frequency_penalty",
+                self.frequency_penalty,
+                "must be in [-2, 2]",
+            ),
+            (self.repetition_penalty > 0, "repetition_penalty", self.repetition_penalty, "must be > 0"),
+            (0 <= top <= MAX_TOP_LOGPROBS, "top_logprobs", top, f"must be in [0, {MAX_TOP_LOGPROBS}]"),
+            (
+                self.seed is None or 0 <= self.seed < 2**63,
+                "seed",
+                self.seed,
+                "must be a non-negative 64-bit integer",
+            ),
+        ]
+        for ok, field, value, why in checks:
+            if not ok:
+                raise InvalidRequestError(f"{field} {why} (got {value!r})", param=field)
