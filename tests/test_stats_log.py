@@ -6,8 +6,8 @@ from __future__ import annotations
 import logging
 
 import pytest
-from kubesgl.engine.types import EngineStats
-from kubesgl.telemetry.stats_log import StatsLog
+from kubesgl.values.outputs import EngineStats
+from kubesgl.service.telemetry.stats_log import StatsLog
 
 
 class Clock:
