@@ -6,8 +6,8 @@ from __future__ import annotations
 import logging
 
 import pytest
-from kubesgl.values.outputs import EngineStats
 from kubesgl.service.telemetry.stats_log import StatsLog
+from kubesgl.values.outputs import EngineStats
 
 
 class Clock:
