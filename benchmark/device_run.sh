@@ -66,7 +66,9 @@ case "$mode" in
     $P --attn flashinfer,triton-planned --linear-backend triton 2>&1 | tail -14 | tee "$OUT/p_levers.txt"
     ;;
   tests)  # every GPU test (skipped on CPU), bounded
-    timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu --continue-on-collection-errors tests/ 2>&1 | tail -12 | tee "$OUT/gpu_tests.txt"
+    timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu --continue-on-collection-errors -rfE tests/ \
+      > "$OUT/gpu_tests_full.txt" 2>&1
+    grep -E "^(FAILED|ERROR) |^E  +[A-Za-z]+Error|passed|failed" "$OUT/gpu_tests_full.txt" | cut -c1-300 | tail -40
     ;;
   levers)  # the offline benchmark: today's default against each lever, same call (step profiles on the last)
     P="timeout 80 $B --model Qwen3-0.6B"

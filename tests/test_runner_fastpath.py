@@ -8,6 +8,7 @@ against its eager sampler and against a graphs-off, overlap-off engine.
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -210,7 +211,7 @@ def test_graph_greedy_equals_eager_sampler_bit_for_bit(gpu_model: str) -> None:
     """Same graphs, same logits: the in-graph argmax against the eager sampler (forced by logprobs)."""
     plain = SamplingParams(max_tokens=N_NEW, temperature=0, ignore_eos=True)
     fast = _generate(gpu_model, plain, dtype="bfloat16")
-    eager = _generate(gpu_model, SamplingParams(**{**plain.__dict__, "logprobs": True}), dtype="bfloat16")
+    eager = _generate(gpu_model, replace(plain, logprobs=LogprobOptions()), dtype="bfloat16")
     assert [o["token_ids"] for o in fast] == [o["token_ids"] for o in eager]
 
 

@@ -13,10 +13,12 @@ BACKEND_NAMES = ("torch", "triton", "flashinfer", "fa3", "triton-split", "triton
 
 
 def resolve_auto(device: torch.device) -> str:
-    """flashinfer when installed on CUDA, else our Triton kernels on CUDA, else the torch reference."""
+    """On CUDA: FlashInfer's prefill with our planned Triton decode (faster than FlashInfer's decode on ragged
+    and equal batches alike on the H200: 25.7k vs 24.1k tok/s offline), or Triton for both without FlashInfer;
+    elsewhere the torch reference."""
     if device.type != "cuda":
         return "torch"
-    return "flashinfer" if importlib.util.find_spec("flashinfer") is not None else "triton"
+    return "flashinfer,triton" if importlib.util.find_spec("flashinfer") is not None else "triton"
 
 
 def create_backend(

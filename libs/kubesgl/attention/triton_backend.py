@@ -32,8 +32,11 @@ if TYPE_CHECKING:
 MAX_DECODE_SPLITS = 16
 LONG_SPLITS, LONG_SLICE = 4, 512  # large batches: requests over 512 tokens in up to 4 slices
 DECODE_SCHEDULES = ("split", "planned")
-DEFAULT_DECODE_SCHEDULE = "split"  # `--attn triton`; "triton-planned" / "triton-split" name one explicitly
-PLAN_WAVES = 8.0  # planned schedule: about this many programs per multiprocessor per step
+# `--attn triton`; "triton-planned" / "triton-split" name one explicitly. Planned, 4 waves: on the H200 it read
+# the KV at 4.25 TB/s on 256 ragged requests (split 3.78, FlashInfer 3.90), 4.17 on 256 x 850 (3.77 / 3.93) and
+# led at 64 and 16 requests too (benchmark/results/kernel_bench_h200_session3.txt).
+DEFAULT_DECODE_SCHEDULE = "planned"
+PLAN_WAVES = 4.0  # planned schedule: about this many programs per multiprocessor per step (4 >= 8 > 16 > 32)
 
 
 @dataclass

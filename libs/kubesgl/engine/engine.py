@@ -281,3 +281,6 @@ class Engine:
             if p.is_alive():
                 p.kill()
         self._workers = []
+        runner = getattr(self, "runner", None)  # absent when the runner itself failed to start
+        if runner is not None:
+            runner.release_device_memory()

@@ -7,6 +7,7 @@ sent between ranks.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import time
@@ -140,6 +141,18 @@ class ModelRunner:
         torch.manual_seed(config.seed)
 
     # -- sizing --------------------------------------------------------------------------------------
+    def release_device_memory(self) -> None:
+        """After shutdown: drops the model, KV pool and graphs and hands the cached blocks back to the driver, so
+        another engine in this process (a second LLM in a notebook or a test) sizes its KV pool from memory that
+        is really free. The runner is unusable afterwards."""
+        if self.device.type != "cuda":
+            return
+        self.graphs = None
+        for name in ("model", "kv", "page_table", "token_pool", "sampler", "staging", "attn"):
+            setattr(self, name, None)
+        gc.collect()  # the graphs and the tensors they captured refer to each other
+        torch.cuda.empty_cache()
+
     def _size_kv_pool(self) -> int:
         m, cfg = self.model, self.config
         per_page = KVCache.bytes_per_token(m.num_layers, m.num_kv_heads, m.head_dim, m.dtype) * self.page_size

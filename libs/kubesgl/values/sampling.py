@@ -49,6 +49,10 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raises InvalidRequestError naming the offending field."""
+        if self.logprobs is not None and not isinstance(self.logprobs, LogprobOptions):
+            raise InvalidRequestError(
+                f"logprobs must be LogprobOptions or None (got {self.logprobs!r})", param="logprobs"
+            )
         top = self.logprobs.top if self.logprobs is not None else 0
         checks = [
             (
