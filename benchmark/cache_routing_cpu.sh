@@ -11,7 +11,7 @@ export OMP_NUM_THREADS=1
 for i in $(seq 1 "$runs"); do
   for policy in round-robin cache-aware; do
     port=$((18400 + RANDOM % 500))
-    kubesgl up --schedulers 2 --port "$port" --tokenizer-args "--routing-policy $policy" \
+    kubesgl up --schedulers 2 --port "$port" --base-port 0 --tokenizer-args "--routing-policy $policy" \
       --scheduler-args "--max-prefill-length 1024" >"/tmp/kubesgl-up-$policy.log" 2>&1 &
     up=$!
     for _ in $(seq 1 300); do curl -sf "http://127.0.0.1:$port/ready" >/dev/null && break; sleep 1; done

@@ -1,5 +1,5 @@
 """Client-side timing of one streamed OpenAI completion: time to first token and the gaps between tokens,
-taken as each server-sent event arrives. Shared by locust/locustfile.py and replay.py."""
+taken as each server-sent event arrives. Shared by locust/locustfile.py, replay.py and benchmark/soak.py."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ class StreamTimer:
         self.finish_reason: str | None = None
         self.completion_tokens: int | None = None  # from the usage chunk
         self.error: str | None = None
+        self.error_type: str | None = None  # the error event's OpenAI `type` (e.g. "timeout")
         self._last: float | None = None
 
     def on_line(self, line: str | bytes, now: float) -> None:
@@ -41,6 +42,7 @@ class StreamTimer:
     def _on_event(self, event: dict[str, Any], now: float) -> None:
         if "error" in event:
             self.error = str(event["error"].get("message", event["error"]))
+            self.error_type = event["error"].get("type")
             return
         usage = event.get("usage")
         if usage:

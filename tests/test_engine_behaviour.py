@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -278,3 +279,14 @@ def test_max_tokens_none_runs_to_the_context_end_or_the_server_default(model: st
         while llm.engine.has_work():
             outs += llm.engine.step()
         assert sum(len(o.new_token_ids) for o in outs if o.rid == "near-end") == 3
+
+
+def test_llm_demo_is_the_demo_model_offline(demo_model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`LLM("demo")` finds (or builds) `kubesgl up`'s demo model in $KUBESGL_CACHE, with no network."""
+    monkeypatch.setenv("KUBESGL_CACHE", str(Path(demo_model_dir).parent))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    with LLM("demo", num_pages=256) as demo, LLM(demo_model_dir, num_pages=256) as by_path:
+        out = demo.generate(["Hello"], params)[0]
+        assert out == by_path.generate(["Hello"], params)[0]
+    assert len(out["token_ids"]) == 4 and isinstance(out["text"], str)

@@ -116,10 +116,16 @@ def _kill_one(kind: str, sig: signal.Signals) -> Fault:
         in_flight = 0
         if kind == "scheduler":  # the busiest one, so the fault hits requests in flight
             scheds = live(mesh, kind)
-            stats = await _scheduler_stats(mesh.nats_url, [str(s.instance_id) for s in scheds])
-            in_flight, victim = max(
-                zip((len(st.active_rids) for st in stats), scheds, strict=True), key=lambda pair: pair[0]
-            )
+            # On a loaded box the 8 clients' requests can all be between the gateway and a scheduler at one
+            # instant: strike at the first moment a scheduler holds some (bounded), not at a fixed one.
+            for _ in range(100):
+                stats = await _scheduler_stats(mesh.nats_url, [str(s.instance_id) for s in scheds])
+                in_flight, victim = max(
+                    zip((len(st.active_rids) for st in stats), scheds, strict=True), key=lambda pair: pair[0]
+                )
+                if in_flight > 0:
+                    break
+                await asyncio.sleep(0.05)
         else:
             victim = live(mesh, kind)[0]
         victim.proc.send_signal(sig)

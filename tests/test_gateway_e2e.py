@@ -19,9 +19,10 @@ import pytest
 from conftest import TEST_SCHEDULER_ARGS
 from kubesgl import LLM, SamplingParams
 from kubesgl.bench import serve as bench_serve
+from kubesgl.cli import build_parser
 from kubesgl.launcher import Stack
 from kubesgl.protocol import SchedulerStats, stats_subject
-from kubesgl.shell import ChatSession, repl
+from kubesgl.shell import ChatSession, repl, sampling_of
 from kubesgl.text.tokenizer import ModelTokenizer
 from kubesgl.values.sampling import LogprobOptions
 from prompt_toolkit import PromptSession
@@ -387,11 +388,14 @@ def test_native_generate_models_ready_and_metrics(url, offline, tokenizer) -> No
 
 
 def test_shell_streams_replies_keeps_history_and_resets(url, offline, tokenizer) -> None:
-    def expected(messages: list[dict[str, str]]) -> str:
-        return tokenizer.decode(_greedy(offline, tokenizer.render_chat(messages), max_tokens=6)["token_ids"])
+    def expected(messages: list[dict[str, str]]) -> tuple[str, str]:
+        """The reply's text, and the line the shell prints for it (with its note when cut at max_tokens)."""
+        out = _greedy(offline, tokenizer.render_chat(messages), max_tokens=6)
+        text = tokenizer.decode(out["token_ids"])
+        return text, text + ("\n(cut at 6 tokens: --max-tokens)" if out["finish_reason"] == "length" else "")
 
-    first = expected([{"role": "user", "content": "hello"}])
-    second = expected(
+    first, first_shown = expected([{"role": "user", "content": "hello"}])
+    _, second_shown = expected(
         [
             {"role": "user", "content": "hello"},
             {"role": "assistant", "content": first},
@@ -405,7 +409,13 @@ def test_shell_streams_replies_keeps_history_and_resets(url, offline, tokenizer)
         assert repl(session, PromptSession(input=keys, output=DummyOutput()), out) == 0
     banner, rest = out.getvalue().split("\n", 1)
     assert MODEL in banner
-    assert rest == f"{first}\n{second}\n(conversation cleared)\n{first}\n"
+    assert rest == f"{first_shown}\n{second_shown}\n(conversation cleared)\n{first_shown}\n"
+
+
+def test_the_shell_caps_replies_by_default_so_it_never_streams_forever() -> None:
+    parse = build_parser("shell").parse_args
+    assert sampling_of(parse(["shell"])) == {"max_tokens": 256}
+    assert sampling_of(parse(["shell", "--max-tokens", "0", "--temperature", "0"])) == {"temperature": 0.0}
 
 
 def test_bench_serve_drives_the_gateway_and_reports_latencies(url, capsys) -> None:

@@ -1,10 +1,13 @@
 """`kubesgl up` as a user runs it: builds/loads the demo model, starts nats-server and every service as its
-own process, serves OpenAI requests, and on Ctrl-C stops everything with no orphan process left."""
+own process on fixed ports, prints every service's metrics URL, serves OpenAI requests, refuses plainly to
+start a second time on the same ports, shows why a service died, and on Ctrl-C stops everything with no
+orphan process left."""
 
 from __future__ import annotations
 
 import os
 import queue
+import random
 import signal
 import subprocess
 import sys
@@ -14,7 +17,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from kubesgl.launcher import free_port
+from kubesgl.launcher import Stack, StackConfig, free_port, planned_ports, port_free
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -48,17 +51,48 @@ def _wait_for(lines: queue.Queue[str], needle: str, timeout_s: float) -> str:
 def _up(demo_model_dir: str, port: int, *args: str) -> subprocess.Popen[str]:
     env = {**os.environ, "KUBESGL_CACHE": str(Path(demo_model_dir).parent), "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "kubesgl.cli", "up", "--model", "demo", "--port", str(port)]
-    cmd += ["--device", "cpu", "--scheduler-args", "--num-pages 4096", *args]
+    # Free admin ports unless a test fixes them (8100 up, the default, may be taken on a shared machine).
+    cmd += ["--device", "cpu", "--scheduler-args", "--num-pages 4096", "--base-port", "0", *args]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
 
+def _free_range(n: int) -> int:
+    """The first of `n` consecutive free ports (a random range, so parallel runs rarely collide)."""
+    rng = random.Random()
+    for _ in range(200):
+        start = rng.randrange(20000, 60000)
+        if all(port_free("127.0.0.1", p) for p in range(start, start + n)):
+            return start
+    raise AssertionError(f"no {n} consecutive free ports")
+
+
 def test_up_serves_the_demo_model_and_ctrl_c_leaves_no_process(demo_model_dir: str) -> None:
-    port = free_port()
-    proc = _up(demo_model_dir, port)
+    port, base_port = _free_range(1), _free_range(3)
+    proc = _up(demo_model_dir, port, "--base-port", str(base_port))
     try:
         lines = _lines(proc)
         banner = _wait_for(lines, "serving `demo` at", 240)
         assert f"http://127.0.0.1:{port}/v1" in banner
+        # Every service's metrics URL, on the ports the flags fix, in start order from --base-port.
+        urls = {}
+        for _ in range(4):
+            name, url = _wait_for(lines, "/metrics", 10).split()
+            urls[name] = url
+        assert urls == {
+            "gateway-0": f"http://127.0.0.1:{port}/metrics",
+            "scheduler-0": f"http://127.0.0.1:{base_port}/metrics",
+            "detokenizer-0": f"http://127.0.0.1:{base_port + 1}/metrics",
+            "tokenizer-0": f"http://127.0.0.1:{base_port + 2}/metrics",
+        }
+        for url in urls.values():
+            scrape = httpx.get(url, timeout=10)
+            assert scrape.status_code == 200 and "kubesgl_" in scrape.text, url
+        # A second `up` on the same ports says plainly why it cannot start, and which flag moves it.
+        second = _up(demo_model_dir, port, "--base-port", str(base_port))
+        out, _ = second.communicate(timeout=60)
+        assert second.returncode == 2, out
+        assert f"port {port} for gateway-0 is already in use: another kubesgl stack is serving there" in out
+        assert "--port" in out and "--base-port" in out
         base = f"http://127.0.0.1:{port}"
         assert httpx.get(f"{base}/ready", timeout=10).status_code == 200
         reply = httpx.post(
@@ -120,6 +154,32 @@ def test_up_takes_the_stack_down_when_a_service_dies(demo_model_dir: str) -> Non
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_up_shows_the_last_lines_of_a_service_that_dies_while_starting(demo_model_dir: str) -> None:
+    proc = _up(demo_model_dir, free_port(), "--scheduler-args=--no-such-flag")
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 1, out
+    reason = out[out.index("kubesgl: scheduler-0 exited with 2 while starting:") :]
+    assert "unrecognized arguments: --no-such-flag" in reason, out
+
+
+def test_ports_are_planned_from_port_and_base_port_in_start_order(tmp_path: Path) -> None:
+    config = StackConfig("m", "m", schedulers=2, detokenizers=1, tokenizers=2, gateways=2, base_port=8100)
+    assert planned_ports(config) == {
+        "gateway-0": 8000,
+        "gateway-1": 8001,
+        "scheduler-0": 8100,
+        "scheduler-1": 8101,
+        "detokenizer-0": 8102,
+        "tokenizer-0": 8103,
+        "tokenizer-1": 8104,
+    }
+    # A replica added later takes the next port up; free ports (0) plan nothing.
+    assert Stack(config, tmp_path)._admin_port("tokenizer-2") == 8105
+    assert planned_ports(StackConfig("m", "m", port=0)) == {}
+    with pytest.raises(ValueError, match="scheduler-0 and gateway-1 would both listen on port 8001"):
+        planned_ports(StackConfig("m", "m", gateways=2, base_port=8001))
 
 
 def test_up_refuses_a_directory_that_is_not_a_model(tmp_path: Path) -> None:

@@ -100,3 +100,15 @@ def test_trace_replay_completes_every_request(stack: Stack, tmp_path: Path) -> N
     assert all(r["completion_tokens"] == r["output_len"] for r in requests)
     # Open loop: requests went out at their arrival times, not after the previous one finished.
     assert requests[-1]["sent_at"] < 20
+
+
+@pytest.mark.parametrize("target", ["loadtest-k6", "loadtest-locust"])
+def test_make_loadtest_runs_the_venvs_tool_against_a_running_stack(stack: Stack, target: str) -> None:
+    """`make loadtest-k6` / `make loadtest-locust` as the README has them, bounded by DURATION."""
+    venv = str(BIN.parent)  # the venv running the tests: CI's is the repo's .venv, as `make up` uses
+    args = ["make", "-s", "-C", str(LOADTEST.parent), target, f"VENV={venv}"]
+    args += [f"BASE_URL={stack.gateway_urls[0]}", "DURATION=5s", "USERS=2"]
+    done = run(args, {"MODEL": model_name(stack), "MAX_TOKENS": "8", **CI_THRESHOLDS}, timeout_s=180)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = done.stdout + done.stderr
+    assert ("http_reqs" in out) if target == "loadtest-k6" else ("/v1/chat/completions" in out), out[-2000:]

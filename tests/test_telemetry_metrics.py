@@ -21,8 +21,11 @@ from prometheus_client import CollectorRegistry
 MODEL = {"model_name": "qwen3-tiny"}
 
 # Copied from SGLang (python/sglang/srt/metrics/collector.py) so a change to ours is caught here.
-SGLANG_TTFT = [0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400]
+# SGLang's boundaries, preceded by ours from 1 ms (SGLang's start at 0.1 s for TTFT, 2 ms for ITL).
+FROM_1MS = [0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075]
+SGLANG_TTFT = [*FROM_1MS, 0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400]
 SGLANG_ITL = [
+    0.001,
     0.002,
     0.004,
     0.006,
@@ -101,7 +104,7 @@ def bucket_bounds(registry: CollectorRegistry, name: str) -> list[float]:
     return [float(b) for b in bounds if b != "+Inf"]
 
 
-def test_scheduler_histograms_use_sglang_names_and_buckets() -> None:
+def test_scheduler_histograms_use_sglang_names_and_buckets_from_1ms() -> None:
     registry, m = scheduler()
     m.on_first_token(0.5, 10, 0)
     m.on_tokens(2, 0.01)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import shlex
 import shutil
@@ -16,9 +17,11 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -44,6 +47,8 @@ class StackConfig:
     gateways: int = 1
     host: str = "127.0.0.1"
     port: int = 8000  # gateway i listens on port + i; 0 = free ports
+    # The other services' admin ports (/health /ready /metrics) from here up, in start order; 0 = free ports.
+    base_port: int = 0
     nats_port: int = 0  # 0 = a free port
     scheduler_args: tuple[str, ...] = ()
     tokenizer_args: tuple[str, ...] = ()
@@ -51,6 +56,13 @@ class StackConfig:
     log_level: str = "info"
     log_to_files: bool = True  # else children share the launcher's terminal
     env: dict[str, str] = field(default_factory=dict)
+
+
+_TAIL_LINES = 30  # of a child's output kept in memory, to show why it died
+
+
+class PortInUseError(RuntimeError):
+    """A port the stack is configured to listen on is taken (often: another `kubesgl up` is running)."""
 
 
 @dataclass
@@ -61,11 +73,38 @@ class ServiceProcess:
     ready_url: str
     log_path: Path | None
     instance_id: str | None = None  # schedulers only
+    tail: deque[str] = field(default_factory=lambda: deque(maxlen=_TAIL_LINES))  # output, when not to a file
+    _pump: threading.Thread | None = None
 
-    def log_tail(self, lines: int = 30) -> str:
-        if self.log_path is None or not self.log_path.exists():
+    @property
+    def metrics_url(self) -> str:
+        return self.ready_url.removesuffix("/ready") + "/metrics"
+
+    def log_tail(self, lines: int = _TAIL_LINES) -> str:
+        if self.log_path is None:
+            if self._pump is not None:
+                self._pump.join(2.0)  # the child has exited: let its last lines arrive
+            return "\n".join(list(self.tail)[-lines:])
+        if not self.log_path.exists():
             return ""
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def relay_output(self, width: int) -> None:
+        """Copies the child's output to our stdout, each line prefixed with its name, keeping the last lines."""
+        assert self.proc.stdout is not None
+        prefix = f"{self.name:<{width}} | "
+
+        def pump() -> None:
+            assert self.proc.stdout is not None
+            for raw in self.proc.stdout:
+                line = raw.decode(errors="replace").rstrip("\n")
+                self.tail.append(line)
+                with contextlib.suppress(OSError, ValueError):  # our stdout closed: keep draining the pipe
+                    sys.stdout.write(prefix + line + "\n")
+                    sys.stdout.flush()
+
+        self._pump = threading.Thread(target=pump, name=f"relay-{self.name}", daemon=True)
+        self._pump.start()
 
 
 class Stack:
@@ -77,6 +116,10 @@ class Stack:
         self.nats = NatsServer(self.workdir / "nats", port=config.nats_port)
         self.services: dict[str, ServiceProcess] = {}
         self._counts: dict[str, int] = dict.fromkeys(KINDS, 0)
+        self._ports = planned_ports(config)
+        # A replica added later (tests scale up mid-run) takes the next admin port after the planned ones.
+        admin_planned = [n for n in self._ports if not n.startswith("gateway")]
+        self._next_admin_port = config.base_port + len(admin_planned)
 
     @property
     def nats_url(self) -> str:
@@ -85,6 +128,29 @@ class Stack:
     @property
     def gateway_urls(self) -> list[str]:
         return [s.ready_url.removesuffix("/ready") for s in self.services.values() if s.kind == "gateway"]
+
+    def check_ports(self) -> None:
+        """Raises PortInUseError naming the first configured port that is taken, and the flag that moves it."""
+        for name, port in self._ports.items():
+            gateway = name.startswith("gateway")
+            host = self.config.host if gateway else "127.0.0.1"
+            if port_free(host, port):
+                continue
+            flag = "--port (the gateways)" if gateway else "--base-port (the other services' admin ports)"
+            url = f"http://{_connect_host(host)}:{port}/metrics"
+            whose = (
+                "another kubesgl stack is serving there (`make up` / `kubesgl up` already running?)"
+                if _is_kubesgl(url)
+                else "another program listens there"
+            )
+            c = self.config
+            moved = [f"--port {c.port + 10}"] * bool(c.port) + [f"--base-port {c.base_port + 10}"] * bool(
+                c.base_port
+            )
+            raise PortInUseError(
+                f"port {port} for {name} is already in use: {whose}. Stop it, or move this stack with "
+                f'{flag}, e.g. `make up ARGS="{" ".join(moved)}"`'
+            )
 
     def start(self) -> None:
         self.nats.start()
@@ -122,7 +188,7 @@ class Stack:
             args += ["--host", c.host, "--port", str(port), *c.gateway_args]
             ready_url = f"http://{_connect_host(c.host)}:{port}/ready"
         else:
-            admin = free_port()
+            admin = self._admin_port(name)
             args += ["--model", c.model_path, "--admin-host", "127.0.0.1", "--admin-port", str(admin)]
             if kind in ("scheduler", "tokenizer"):
                 args += ["--served-model-name", c.served_model_name]
@@ -132,22 +198,35 @@ class Stack:
                 args += list(c.tokenizer_args)
             ready_url = f"http://127.0.0.1:{admin}/ready"
         log_path = self.workdir / f"{name}.log" if c.log_to_files else None
-        out = open(log_path, "ab") if log_path else None  # noqa: SIM115 - the child owns it
+        # To a file, or through a pipe we relay to the terminal (so a child that dies shows us why).
+        out = open(log_path, "ab") if log_path else subprocess.PIPE  # noqa: SIM115 - the child owns it
         try:
             proc = subprocess.Popen(
                 [*args, *extra_args],
                 stdout=out,
-                stderr=subprocess.STDOUT if out else None,
+                stderr=subprocess.STDOUT,
                 env={**os.environ, **self._threads_env(kind), **c.env},
                 # Own session: a terminal's Ctrl-C reaches only the launcher, which stops children in order.
                 start_new_session=True,
                 preexec_fn=parent_death_signal,
             )
         finally:
-            if out:
+            if log_path:
                 out.close()
-        self.services[name] = ServiceProcess(name, kind, proc, ready_url, log_path, instance_id)
-        return self.services[name]
+        svc = ServiceProcess(name, kind, proc, ready_url, log_path, instance_id)
+        if log_path is None:
+            svc.relay_output(width=max(len(n) for n in [*self._ports, name]))
+        self.services[name] = svc
+        return svc
+
+    def _admin_port(self, name: str) -> int:
+        """The planned port of a configured replica; past those (a replica added later), the next one up."""
+        if not self.config.base_port:
+            return free_port()
+        if name in self._ports:
+            return self._ports[name]
+        port, self._next_admin_port = self._next_admin_port, self._next_admin_port + 1
+        return port
 
     def wait_ready(self, timeout_s: float, names: list[str] | None = None) -> None:
         """Blocks until every (named) service answers /ready 200; raises if one exits or time runs out."""
@@ -157,9 +236,8 @@ class Stack:
             for name in sorted(pending):
                 svc = self.services[name]
                 if svc.proc.poll() is not None:
-                    raise RuntimeError(
-                        f"{name} exited with {svc.proc.returncode} while starting:\n{svc.log_tail()}"
-                    )
+                    tail = svc.log_tail() or "(it printed nothing)"
+                    raise RuntimeError(f"{name} exited with {svc.proc.returncode} while starting:\n{tail}")
                 if http_ok(svc.ready_url):
                     pending.discard(name)
             if pending and time.monotonic() > end:
@@ -185,6 +263,47 @@ class Stack:
         self.nats.stop()
 
 
+def planned_ports(c: StackConfig) -> dict[str, int]:
+    """Every fixed port of the configured replicas, by service name: gateway i at `port + i`, the others'
+    admin ports from `base_port` up in start order (schedulers, detokenizers, tokenizers). Free ports
+    (0) are not planned."""
+    ports: dict[str, int] = {}
+    if c.port:
+        ports |= {f"gateway-{i}": c.port + i for i in range(c.gateways)}
+    if c.base_port:
+        counts = {"scheduler": c.schedulers, "detokenizer": c.detokenizers, "tokenizer": c.tokenizers}
+        names = [f"{kind}-{i}" for kind in KINDS if kind != "gateway" for i in range(counts[kind])]
+        ports |= {name: c.base_port + k for k, name in enumerate(names)}
+    taken: dict[int, str] = {}
+    for name, port in ports.items():
+        if port in taken:
+            raise ValueError(
+                f"{name} and {taken[port]} would both listen on port {port}: --port {c.port} (gateway i at "
+                f"port + i) and --base-port {c.base_port} (the other services from there up) overlap"
+            )
+        taken[port] = name
+    return ports
+
+
+def port_free(host: str, port: int) -> bool:
+    """Whether a server could listen on host:port now (with SO_REUSEADDR, as uvicorn and our admin do)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
+def _is_kubesgl(metrics_url: str) -> bool:
+    try:
+        with urllib.request.urlopen(metrics_url, timeout=2.0) as r:
+            return b"kubesgl_" in r.read(1 << 20)
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -203,16 +322,12 @@ def _connect_host(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "") else host
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("KUBESGL_CACHE") or Path.home() / ".cache" / "kubesgl")
-
-
 def resolve_model(model: str, served_model_name: str | None) -> tuple[str, str]:
     """(model dir, served name); `demo` builds (once, cached) the tiny random Qwen3 with the real tokenizer."""
     if model == DEMO:
-        from kubesgl.models.random_init import build_demo_model
+        from kubesgl.models.random_init import resolve_demo
 
-        return str(build_demo_model(cache_dir())), served_model_name or DEMO
+        return resolve_demo(model), served_model_name or DEMO
     if not Path(model, "config.json").is_file():
         raise SystemExit(f"kubesgl up: {model} is not a model directory (no config.json)")
     return model, served_model_name or os.path.basename(os.path.normpath(model))
@@ -225,6 +340,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default=None, help="model id clients send")
     parser.add_argument("--host", default="127.0.0.1", help="gateway address")
     parser.add_argument("--port", type=int, default=8000, help="gateway port (gateway i gets port + i)")
+    parser.add_argument(
+        "--base-port",
+        type=int,
+        default=8100,
+        help="first admin port (/health /ready /metrics) of the other services, assigned upwards in start "
+        "order: schedulers, detokenizers, tokenizers (0 = free ports)",
+    )
     parser.add_argument("--nats-port", type=int, default=0, help="embedded nats-server port (0 = free)")
     parser.add_argument("--gateways", type=int, default=1)
     parser.add_argument("--tokenizers", type=int, default=1)
@@ -256,6 +378,7 @@ def main(args: argparse.Namespace) -> int:
         gateways=args.gateways,
         host=args.host,
         port=args.port,
+        base_port=args.base_port,
         nats_port=args.nats_port,
         scheduler_args=("--tp", str(args.tp), "--device", args.device, *scheduler_args),
         tokenizer_args=tuple(shlex.split(args.tokenizer_args)),
@@ -263,8 +386,12 @@ def main(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         log_to_files=False,
     )
-    workdir = Path(tempfile.mkdtemp(prefix="kubesgl-up-"))
-    stack = Stack(config, workdir)
+    try:
+        stack = Stack(config, Path(tempfile.mkdtemp(prefix="kubesgl-up-")))
+        stack.check_ports()
+    except (ValueError, PortInUseError) as e:
+        print(f"kubesgl: {e}", file=sys.stderr, flush=True)
+        return 2
     stopping: list[int] = []
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
@@ -287,16 +414,32 @@ def main(args: argparse.Namespace) -> int:
             )
         code = _wait_ready(stack, args.ready_timeout, stopping)
         if code == 0 and not stopping:
-            urls = ", ".join(f"{u}/v1" for u in stack.gateway_urls)
-            where = f"at {urls} (NATS {stack.nats_url}" if urls else f"on NATS {stack.nats_url} (no gateway"
-            print(f"kubesgl: serving `{name}` {where}; Ctrl-C to stop, twice to kill)", flush=True)
+            print(_serving_banner(stack, name), flush=True)
             code = _supervise(stack, stopping)
     finally:
         print("kubesgl: shutting down", flush=True)
         stack.stop()
-        shutil.rmtree(workdir, ignore_errors=True)
+        shutil.rmtree(stack.workdir, ignore_errors=True)
         print("kubesgl: stopped", flush=True)
     return code
+
+
+def _serving_banner(stack: Stack, model: str) -> str:
+    """What a user needs once the stack is up: where to send requests, every service's metrics, a request."""
+    urls = ", ".join(f"{u}/v1" for u in stack.gateway_urls)
+    where = f"at {urls} (NATS {stack.nats_url}" if urls else f"on NATS {stack.nats_url} (no gateway"
+    lines = [f"kubesgl: serving `{model}` {where}; Ctrl-C to stop, twice to kill)"]
+    width = max(len(n) for n in stack.services)
+    by_kind = sorted(stack.services.values(), key=lambda s: s.kind != "gateway")  # gateways first
+    lines += [f"  {s.name:<{width}}  {s.metrics_url}" for s in by_kind]
+    if urls:
+        body = {"model": model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 32}
+        lines.append(
+            f"  try: curl {stack.gateway_urls[0]}/v1/chat/completions "
+            f"-H 'content-type: application/json' -d '{json.dumps(body)}'"
+        )
+    lines.append("  logs: an access line per request; while busy, a stats line per scheduler")
+    return "\n".join(lines)
 
 
 def _summary(c: StackConfig) -> str:

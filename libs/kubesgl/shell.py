@@ -1,6 +1,7 @@
 """`kubesgl shell`: an interactive chat against a gateway (like Mini-SGLang's shell). Keeps the conversation
 for context, streams each reply as it is generated; `/reset` starts over, `/exit` or Ctrl-D quits, Ctrl-C
-stops the current reply."""
+stops the current reply. Replies are capped at `--max-tokens` (256 by default), so a model that never emits
+its end token (the random-weight demo) still hands the prompt back; a cut reply says so."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from prompt_toolkit import PromptSession
 from prompt_toolkit.history import FileHistory, InMemoryHistory
 
 HELP = "Type a message. /reset clears the conversation, /exit (or Ctrl-D) quits, Ctrl-C stops a reply."
+DEFAULT_MAX_TOKENS = 256
 
 
 class ShellError(Exception):
@@ -38,6 +40,7 @@ class ChatSession:
         self.system = system
         self.sampling = sampling or {}
         self.messages: list[dict[str, str]] = []
+        self.finish_reason: str | None = None  # of the last reply
         self.reset()
 
     def reset(self) -> None:
@@ -49,6 +52,7 @@ class ChatSession:
         messages = [*self.messages, {"role": "user", "content": text}]
         body = {"model": self.model, "messages": messages, "stream": True, **self.sampling}
         answer = ""
+        self.finish_reason = None
         try:
             with self.http.stream("POST", "/v1/chat/completions", json=body) as r:
                 if r.status_code != 200:
@@ -58,6 +62,7 @@ class ChatSession:
                     if "error" in event:
                         raise ShellError(event["error"].get("message", "error"))
                     for choice in event.get("choices", ()):
+                        self.finish_reason = choice.get("finish_reason") or self.finish_reason
                         piece = (choice.get("delta") or {}).get("content") or ""
                         answer += piece
                         if piece:
@@ -93,6 +98,9 @@ def repl(session: ChatSession, prompt: PromptSession[str], out: TextIO) -> int:
                 out.write(piece)
                 out.flush()
             out.write("\n")
+            if session.finish_reason == "length":
+                limit = session.sampling.get("max_tokens")
+                out.write(f"(cut at {limit} tokens: --max-tokens)\n" if limit else "(cut: context full)\n")
         except KeyboardInterrupt:
             out.write("\n(stopped)\n")
         except ShellError as e:
@@ -110,16 +118,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="API key (env KUBESGL_API_KEY or OPENAI_API_KEY)",
     )
     parser.add_argument("--system", default=None, help="system prompt")
-    parser.add_argument("--max-tokens", type=int, default=None)
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=DEFAULT_MAX_TOKENS,
+        help="longest reply in tokens (0 = no cap: the server's default)",
+    )
     parser.add_argument("--temperature", type=float, default=None)
     parser.add_argument("--history-file", default=str(Path.home() / ".cache" / "kubesgl" / "shell_history"))
 
 
 def main(args: argparse.Namespace) -> int:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    sampling = {
-        k: v for k, v in (("max_tokens", args.max_tokens), ("temperature", args.temperature)) if v is not None
-    }
     with httpx.Client(
         base_url=args.url.rstrip("/"), headers=headers, timeout=httpx.Timeout(10, read=None)
     ) as http:
@@ -128,8 +138,18 @@ def main(args: argparse.Namespace) -> int:
         except ShellError as e:
             print(f"kubesgl shell: {e}", file=sys.stderr)
             return 1
-        session = ChatSession(http, model, args.system, sampling)
+        session = ChatSession(http, model, args.system, sampling_of(args))
         return repl(session, PromptSession(history=_history(args.history_file)), sys.stdout)
+
+
+def sampling_of(args: argparse.Namespace) -> dict[str, Any]:
+    """The request fields the flags set (`--max-tokens 0`: none, the server decides)."""
+    sampling: dict[str, Any] = {}
+    if args.max_tokens:
+        sampling["max_tokens"] = args.max_tokens
+    if args.temperature is not None:
+        sampling["temperature"] = args.temperature
+    return sampling
 
 
 def _first_model(http: httpx.Client) -> str:

@@ -1,6 +1,6 @@
 // k6 load test: virtual users streaming chat completions from kubesgl's OpenAI API.
 //
-//   BASE_URL=http://127.0.0.1:8000 k6 run --no-usage-report loadtest/k6/chat_stream.js
+//   BASE_URL=http://127.0.0.1:8000 .venv/bin/k6 run --no-usage-report loadtest/k6/chat_stream.js   (or: make loadtest-k6)
 //
 // Knobs (environment): BASE_URL, API_KEY, MODEL (default: the first of /v1/models), PROMPT_MIX
 // ("WORDS:WEIGHT,...", e.g. "16:6,128:3,512:1": prompt lengths in words and their weights), MAX_TOKENS (32),

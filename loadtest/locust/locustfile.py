@@ -1,7 +1,8 @@
 """Locust load test: users streaming chat completions, with time to first token and inter-token latency
 reported as their own rows ("TTFT", "ITL") beside the HTTP request row.
 
-    BASE_URL=http://127.0.0.1:8000 locust -f loadtest/locust/locustfile.py --headless -u 8 -r 4 -t 60s
+    BASE_URL=http://127.0.0.1:8000 .venv/bin/locust -f loadtest/locust/locustfile.py --headless -u 8 -r 4 -t 60s
+    (or: make loadtest-locust)
 
 Knobs (environment): BASE_URL (or --host), API_KEY, MODEL (default: the first of /v1/models), PROMPT_MIX
 ("WORDS:WEIGHT,...", see workload.py), MAX_TOKENS (default 32), THINK_TIME (seconds between a user's requests,

@@ -22,6 +22,7 @@ from kubesgl.service.nats_conn import NatsSettings, connect
 from kubesgl.service.telemetry.metrics import GatewayMetrics, new_registry
 from kubesgl.service.telemetry.tracing import Tracing
 from kubesgl.services.gateway import native_routes, openai_routes, ops_routes
+from kubesgl.services.gateway.access_log import AccessLog
 from kubesgl.services.gateway.api_keys import ApiKeys
 from kubesgl.services.gateway.bus import GatewayBus
 from kubesgl.services.gateway.config import GatewayConfig, config_from_args
@@ -108,6 +109,7 @@ def build_app(config: GatewayConfig) -> FastAPI:
     # Last added runs first: the key check precedes the size limit, so an anonymous client learns nothing.
     app.add_middleware(BodySizeLimit, max_bytes=config.max_body_bytes)
     app.add_middleware(ApiKeyCheck, keys=api_keys)
+    app.add_middleware(AccessLog)  # outermost: 401s and 413s get their line too
     return app
 
 

@@ -138,7 +138,7 @@ class GatewayBus:
             except nats.errors.NoRespondersError:
                 if time.monotonic() - started > self._no_tokenizer_grace_s:
                     raise ServiceUnavailableError("no tokenizer is available") from None
-                await asyncio.sleep(backoff)
+                await asyncio.sleep(min(backoff, max(0.0, req.deadline - time.time())))
                 backoff = min(backoff * 2, 1.0)
                 continue
             except nats.errors.TimeoutError:

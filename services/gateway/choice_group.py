@@ -14,8 +14,15 @@ _DONE = object()
 
 
 class ChoiceGroup:
-    def __init__(self, choices: list[ChoiceGeneration]) -> None:
+    def __init__(self, choices: list[ChoiceGeneration], rid: str, per_prompt: int = 1) -> None:
         self.choices = choices
+        self.rid = rid  # the client's request id (choices carry `<rid>-<index>` when there are several)
+        self._per_prompt = max(per_prompt, 1)
+
+    def prompt_tokens(self) -> int:
+        """Prompt tokens admitted, each prompt counted once however many choices it fanned out to."""
+        firsts = self.choices[:: self._per_prompt]
+        return sum(c.admitted.prompt_tokens for c in firsts if c.admitted is not None)
 
     async def admit(self) -> None:
         """Admits every choice; if any is refused, the others are aborted and the refusal raised."""

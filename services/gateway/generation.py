@@ -70,7 +70,12 @@ class ChoiceGeneration:
         tokens: list[int] = []
         last_output = time.monotonic()
         while True:
-            delta = await self._stream.next(_POLL_S)
+            # Checked before every wait, not only after a silent one: a stream whose deltas never pause
+            # would otherwise outlive its deadline (the scheduler's own expiry comes seconds later).
+            left = self.limits.deadline - time.time()
+            if left <= 0:
+                raise DeadlineExceededError("the request exceeded its deadline")
+            delta = await self._stream.next(min(_POLL_S, left))
             if delta is None:
                 self._raise_if_stuck(last_output)
                 continue
@@ -107,8 +112,6 @@ class ChoiceGeneration:
 
     def _raise_if_stuck(self, last_output: float) -> None:
         assert self._stream is not None
-        if time.time() >= self.limits.deadline:
-            raise DeadlineExceededError("the request exceeded its deadline")
         if time.monotonic() - last_output > self.limits.inactivity_s:
             raise DeadlineExceededError(f"no output from the scheduler for {self.limits.inactivity_s:g} s")
         instance = self._stream.instance_id

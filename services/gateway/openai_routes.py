@@ -110,7 +110,7 @@ def fan_out(
                 **_prompt_fields(prompt),
             )
             choices.append(ChoiceGeneration(gw.bus, index, req, spec.stop, limits, scope.traceparent))
-    return ChoiceGroup(choices)
+    return ChoiceGroup(choices, base.rid, spec.n)
 
 
 def _prompt_fields(prompt: PromptInput | None) -> dict[str, Any]:

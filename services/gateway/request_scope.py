@@ -1,10 +1,12 @@
 """What one HTTP generation request holds until its response ends (its concurrency lease, metrics timer and
-trace span), released exactly once whichever way the response ends."""
+trace span), released exactly once whichever way the response ends; at the end it fills the request's
+access-log record (access_log.py)."""
 
 from __future__ import annotations
 
 from fastapi import Request
 from kubesgl.service.telemetry.tracing import ATTR_MODEL, SPAN_GATEWAY_REQUEST, traceparent
+from kubesgl.services.gateway.access_log import record_of
 from kubesgl.services.gateway.api_keys import ANONYMOUS
 from kubesgl.services.gateway.gateway import Gateway
 from opentelemetry.trace import SpanKind, Status, StatusCode
@@ -26,14 +28,19 @@ class RequestScope:
             kind=SpanKind.SERVER,
         )
         self.traceparent = traceparent(self._span)
+        self._access = record_of(request.scope)
         self._open = True
 
-    def finish(self, status: int) -> None:
+    def finish(self, status: int, rid: str | None = None, prompt_tokens: int = 0) -> None:
+        """Ends the request with `status`; `rid` and `prompt_tokens` once it was fanned out (for the log)."""
         if not self._open:
             return
         self._open = False
         self._lease.release()
         self.metrics.finish(status)
+        self._access.status, self._access.prompt_tokens = status, prompt_tokens
+        self._access.rid = rid or "-"
+        self._access.completion_tokens, self._access.ttft_s = self.metrics.tokens, self.metrics.ttft_s
         self._span.set_attribute("http.response.status_code", status)
         if status >= 500:
             self._span.set_status(Status(StatusCode.ERROR))

@@ -74,7 +74,7 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
 
 def _close(group: ChoiceGroup, scope: RequestScope, status: int) -> None:
     group.close()
-    scope.finish(status)
+    scope.finish(status, group.rid, group.prompt_tokens())
 
 
 async def _sse_events(

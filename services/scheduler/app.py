@@ -16,6 +16,7 @@ from kubesgl.service.bus_service import add_service_arguments, run_bus_service
 from kubesgl.service.lifecycle import configure_logging
 from kubesgl.service.telemetry.metrics import SchedulerMetrics, new_registry
 from kubesgl.service.telemetry.scheduler import SchedulerTelemetry
+from kubesgl.service.telemetry.stats_log import StatsLog
 from kubesgl.service.telemetry.tracing import Tracing
 from kubesgl.services.scheduler.engine_loop import EngineLoop
 from kubesgl.services.scheduler.service import SchedulerService
@@ -85,6 +86,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=16,
         help="tokens per block in the prefix-cache KV events routers use (same on every instance and "
         "tokenizer; 0 = publish none; radix cache only)",
+    )
+    parser.add_argument(
+        "--stats-log-interval",
+        type=float,
+        default=10.0,
+        help="seconds between the one-line stats log (running, queued, token usage, cache hit rate, gen "
+        "tok/s) while busy; silent while idle; 0 = off",
     )
     # Multi-node tensor parallelism, SGLang's flags: node 0 runs rank 0 (and serves NATS); the others run only
     # their ranks, executing rank 0's plans (gloo carries control, NCCL tensors on GPU).
@@ -181,7 +189,8 @@ def main(args: argparse.Namespace) -> int:
             startup_s=info.startup_s,
             load_weights_s=info.load_weights_s,
         )
-        return SchedulerTelemetry(metrics, tracing, instance_id, model)
+        stats_log = StatsLog(args.stats_log_interval, info.page_size)
+        return SchedulerTelemetry(metrics, tracing, instance_id, model, stats_log=stats_log)
 
     def make_engine() -> Engine:
         return Engine(config)

@@ -1,4 +1,5 @@
-"""The offline API: `LLM(model_path, ...).generate(prompts, sampling_params)` over the same Engine loop."""
+"""The offline API: `LLM(model_path, ...).generate(prompts, sampling_params)` over the same Engine loop.
+`LLM("demo")` is `kubesgl up`'s demo model (tiny random Qwen3 + the real tokenizer), built once, offline."""
 
 from __future__ import annotations
 
@@ -9,14 +10,16 @@ from typing import Any
 from kubesgl.engine.config import EngineConfig
 from kubesgl.engine.engine import Engine
 from kubesgl.errors import InvalidRequestError
+from kubesgl.models.random_init import resolve_demo
 from kubesgl.text.tokenizer import ModelTokenizer
 from kubesgl.values.sampling import SamplingParams
 
 
 class LLM:
     def __init__(self, model_path: str, **config: Any) -> None:
-        self.engine = Engine(EngineConfig(model_path=str(model_path), **config))
-        self.tokenizer = _load_tokenizer(str(model_path))
+        model_path = resolve_demo(str(model_path))
+        self.engine = Engine(EngineConfig(model_path=model_path, **config))
+        self.tokenizer = _load_tokenizer(model_path)
         self._ids = itertools.count()
 
     def generate(

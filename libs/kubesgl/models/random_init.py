@@ -24,6 +24,7 @@ QWEN3_BOS, QWEN3_EOS = 151643, (151645, 151643)  # <|endoftext|>, (<|im_end|>, <
 TINY_EOS = 1
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt")
 DEMO_NAME = "kubesgl-demo-qwen3-v1"
+DEMO = "demo"  # the model name that stands for the demo model (`kubesgl up --model demo`, `LLM("demo")`)
 
 _TINY: dict[str, Any] = {
     "hidden_size": 64,
@@ -222,6 +223,16 @@ def write_config_only(name: str, out_dir: str | Path) -> Path:
     (out / "config.json").write_text(json.dumps(REAL_CONFIGS[name], indent=2) + "\n")
     _write_generation_config(out, QWEN3_EOS, QWEN3_BOS)
     return out
+
+
+def cache_dir() -> Path:
+    """Where the demo model is built: $KUBESGL_CACHE, else ~/.cache/kubesgl."""
+    return Path(os.environ.get("KUBESGL_CACHE") or Path.home() / ".cache" / "kubesgl")
+
+
+def resolve_demo(model: str) -> str:
+    """`model`, or for `demo` the demo model's directory (built on first use, offline)."""
+    return str(build_demo_model(cache_dir())) if model == DEMO else model
 
 
 def build_demo_model(cache_dir: str | Path) -> Path:

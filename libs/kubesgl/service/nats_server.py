@@ -51,8 +51,10 @@ class NatsServer:
         cmd = [nats_server_binary(), "-js", "-a", self.host, "-p", str(self.port or -1)]
         cmd += ["-sd", str(self.workdir / "jetstream"), "--ports_file_dir", str(ports_dir), *self.args]
         log = open(self.workdir / "nats-server.log", "ab")  # noqa: SIM115 - owned by the child
+        # Own session: a terminal's Ctrl-C reaches only our process, which stops the services (they still
+        # need NATS to drain) before it stops nats-server.
         self.proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=parent_death_signal
+            cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=parent_death_signal
         )
         log.close()
         end = time.monotonic() + timeout_s

@@ -5,7 +5,8 @@ The engine does not say when a request leaves the waiting queue, so prefill is t
 that produced the first token (with chunked prefill: the last chunk) and queue as everything before it.
 The service calls, in its loop: on_arrival() when it admits a GenerateRequest, on_step_start() before
 engine.step(), on_outputs() with what the step returned (it answers the `traceparent` for each request's
-TokenDelta), on_abort() when it drops a request itself, and on_step() with engine stats about once a second.
+TokenDelta), on_abort() when it drops a request itself, and on_step() with engine stats about once a second
+(which also feeds the periodic stats log line, stats_log.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Span, Status, StatusCode
 
 from kubesgl.service.telemetry.metrics import SchedulerMetrics
+from kubesgl.service.telemetry.stats_log import StatsLog
 from kubesgl.service.telemetry.tracing import (
     ATTR_CACHED_TOKENS,
     ATTR_FINISH_REASON,
@@ -59,8 +61,10 @@ class SchedulerTelemetry:
         instance_id: str,
         model: str,
         clock: Callable[[], float] = time.perf_counter,
+        stats_log: StatsLog | None = None,
     ) -> None:
         self.metrics = metrics
+        self._stats_log = stats_log
         self._tracing = tracing
         self._attrs = {ATTR_INSTANCE: instance_id, ATTR_MODEL: model}
         self._clock = clock
@@ -110,6 +114,8 @@ class SchedulerTelemetry:
 
     def on_step(self, stats: EngineStats) -> None:
         self.metrics.on_step(stats)
+        if self._stats_log is not None:
+            self._stats_log.observe(stats)
 
     def _on_tokens(self, out: RequestOutput, t: _Timeline, now_s: float, now_ns: int) -> None:
         n = len(out.new_token_ids)
