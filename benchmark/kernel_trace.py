@@ -215,6 +215,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--cuda-graph-max-bs", type=int, default=None)
+    p.add_argument("--page-size", type=int, default=1, help="KV page size (the offline benchmark's is 16)")
     p.add_argument("--prefill-tokens", type=int, default=0, help="also trace one prefill step of ~N tokens")
     p.add_argument("--host-profile", action="store_true", help="cProfile the host side of the prefill step")
     p.add_argument(
@@ -242,6 +243,7 @@ def main() -> int:
         max_running_requests=max(sizes + [b + chunk_tokens // args.context + 2 for b in mixed_sizes]),
         cuda_graph_max_bs=args.cuda_graph_max_bs,
         linear_backend=args.linear_backend,
+        page_size=args.page_size,
     )
     print(f"attention backend: {type(llm.engine.runner.attn).__name__}", flush=True)
     runs = [lambda bs=bs: trace_batch(llm, bs, args.context, args.steps, args.top) for bs in sizes]
