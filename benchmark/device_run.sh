@@ -75,6 +75,19 @@ case "$mode" in
     $P --attn flashinfer 2>&1 | tail -1
     $P --attn flashinfer,triton-planned 2>&1 | tail -1
     ;;
+  mixed)  # mixed chunk (--enable-mixed-chunk): its GPU tests, the mixed step against extend + decode kernel by
+          # kernel (page 16, as the benchmark), then the offline benchmark off/on (step profiles), on/off (~9 min)
+    timeout 140 python3 -m pytest -q -p no:cacheprovider -m gpu -k "mixed or mixing" tests/test_mixed_chunk.py \
+      tests/test_attention_backends.py 2>&1 | tail -6 | tee "$OUT/gpu_tests_mixed.txt"
+    timeout 120 python3 benchmark/kernel_trace.py --model Qwen3-0.6B --batch-sizes "" --context 800 --page-size 16 \
+      --mixed-decode 16,64,128,256 --top 12 --json "$OUT/trace_mixed.jsonl" 2>&1 | grep -v Warn > "$OUT/trace_mixed.txt"
+    grep "^== mixed" "$OUT/trace_mixed.txt"
+    P="env KUBESGL_STEP_PROFILE=1 timeout 80 $B --model Qwen3-0.6B"
+    $P 2>&1 | tail -14 | tee "$OUT/p_unmixed.txt"
+    $P --enable-mixed-chunk 2>&1 | tail -16 | tee "$OUT/p_mixed.txt"
+    timeout 80 $B --model Qwen3-0.6B --enable-mixed-chunk | tail -1
+    timeout 80 $B --model Qwen3-0.6B | tail -1
+    ;;
   cache-save)  # the compile caches, for the next call's .gpu/ (each file must stay under 16 MB to come back)
     [ -d "$HOME/.cache/flashinfer" ] && tar czf "$OUT/cache-flashinfer.tgz" -C "$HOME" .cache/flashinfer
     [ -d "$HOME/.triton/cache" ] && tar czf "$OUT/cache-triton.tgz" -C "$HOME" .triton/cache

@@ -3,15 +3,19 @@
 For each batch size: `bs` requests with `--context`-token prompts are prefilled, decoded a few steps to warm
 up, then `--steps` decode steps run under torch.profiler (CUDA activity, which sees the kernels inside CUDA
 graph replays). Prints, per batch size, the step time by CUDA events, the kernel count and kernel time per
-step, and the top kernels by total time; `--json` appends one line per batch size.
+step, and the top kernels by total time; `--json` appends one line per batch size. `--prefill-tokens N` adds one
+N-token prefill step; `--mixed-decode 64,256` a mixed step (`--enable-mixed-chunk`: an 8k chunk carrying that
+many decoding requests) against the plain extend step and the decode step it would have stalled.
 
     python benchmark/kernel_trace.py --model Qwen3-0.6B --batch-sizes 1,64,256 --context 800
+    python benchmark/kernel_trace.py --batch-sizes "" --mixed-decode 16,64,256 --context 800
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import itertools
 import json
 import pstats
 import time
@@ -99,6 +103,76 @@ def trace_prefill(
     return report(prof, 1, head, top) | {"prefill_tokens": n * context, "step_ms": round(ms, 4)}
 
 
+def trace_mixed(llm: Any, bs: int, tokens: int, context: int, top: int) -> dict[str, Any]:
+    """A prefill chunk with `bs` decoding requests (of `context`-token prompts) riding along, against the same
+    chunk as a plain extend step followed by the decode step of those `bs` requests (`--enable-mixed-chunk`
+    toggled on the scheduler). The chunk is `tokens` - bs new tokens, as the mixed budget leaves it; its
+    requests end at prefill (max_tokens 1), so the unmixed decode step holds exactly the `bs` decoders."""
+    import dataclasses
+
+    import torch
+    from kubesgl import SamplingParams
+    from torch.profiler import ProfilerActivity, profile
+
+    eng = llm.engine
+    sched = eng.scheduler
+    decode = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=4096)
+    rids = [f"mixed-{bs}-{i}" for i in range(bs)]
+    for i, rid in enumerate(rids):
+        eng.add_request(rid, [(11 * i + j) % 10000 for j in range(context)], decode)
+    produced: dict[str, int] = defaultdict(int)
+    while len(produced) < bs or min(produced.values()) < 4:  # prefilled, then decoding
+        for out in eng.step():
+            produced[out.rid] += len(out.new_token_ids)
+    chunk = tokens - bs
+    lengths = [context] * (chunk // context) + ([chunk % context] if chunk % context else [])
+    rounds = itertools.count()
+
+    def add_prefill() -> None:
+        n = next(rounds)
+        for i, length in enumerate(lengths):  # distinct first tokens: no prefix-cache hits
+            prompt = [(9973 * n + 31 * i + 7 * j) % 10000 for j in range(length)]
+            eng.add_request(f"chunk-{bs}-{n}-{i}", prompt, SamplingParams(max_tokens=1))
+
+    def timed_step(top: int) -> tuple[str, float, dict[str, Any]]:
+        """One engine step: the kind of step it launched, its device ms (events), its kernels."""
+        before = sched.steps.copy()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            start.record()
+            eng.step()
+            end.record()
+            torch.cuda.synchronize()
+        (kind,) = (sched.steps - before).keys()
+        ms = start.elapsed_time(end)
+        head = f"{kind} step ({bs} decoding, {chunk}-token chunk): {ms:.3f} ms (events)"
+        return kind, ms, report(prof, 1, head, top) if top else {}
+
+    res: dict[str, Any] = {"mixed_decode_bs": bs, "prefill_tokens": chunk, "context": context}
+    for mixed in (True, False):
+        sched.limits = dataclasses.replace(sched.limits, enable_mixed_chunk=mixed)
+        for warm in (True, False):  # the first step of a shape pays one-time costs (GEMM heuristics, plans)
+            add_prefill()
+            steps = [timed_step(0 if warm else top) for _ in range(1 if mixed else 2)]
+            kinds = [k for k, _, _ in steps]
+            assert kinds == (["mixed"] if mixed else ["extend", "decode"]), kinds
+            if not warm:
+                res.update({f"{k}_ms": round(ms, 4) for k, ms, _ in steps})
+                res.update({f"{k}_ops": r["ops_per_step"] for k, _, r in steps})
+    res["saved_ms"] = round(res["extend_ms"] + res["decode_ms"] - res["mixed_ms"], 4)
+    print(
+        f"== mixed {bs} + {chunk}: mixed step {res['mixed_ms']:.3f} ms vs extend {res['extend_ms']:.3f} + decode "
+        f"{res['decode_ms']:.3f} ms: saves {res['saved_ms']:.3f} ms",
+        flush=True,
+    )
+    for rid in rids:
+        eng.abort(rid)
+    while eng.has_work():
+        eng.step()
+    return res
+
+
 def report(prof: Any, steps: int, head: str, top: int) -> dict[str, Any]:
     import torch
 
@@ -141,8 +215,15 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--cuda-graph-max-bs", type=int, default=None)
+    p.add_argument("--page-size", type=int, default=1, help="KV page size (the offline benchmark's is 16)")
     p.add_argument("--prefill-tokens", type=int, default=0, help="also trace one prefill step of ~N tokens")
     p.add_argument("--host-profile", action="store_true", help="cProfile the host side of the prefill step")
+    p.add_argument(
+        "--mixed-decode",
+        default="",
+        help="decode batch sizes: trace a mixed step (a --prefill-tokens chunk, 8192 if 0, carrying that many "
+        "decoding requests) against the unmixed extend + decode steps",
+    )
     p.add_argument("--json", default=None)
     args = p.parse_args()
 
@@ -150,15 +231,19 @@ def main() -> int:
     from kubesgl.bench.offline import _resolve_model
 
     model_dir, dummy = _resolve_model(args.model)
-    sizes = [int(s) for s in args.batch_sizes.split(",")]
+    sizes = [int(s) for s in args.batch_sizes.split(",") if s]
+    mixed_sizes = [int(s) for s in args.mixed_decode.split(",") if s]
+    chunk_tokens = args.prefill_tokens or 8192
     llm = LLM(
         model_dir,
         device="cuda",
         attn=args.attn,
         dummy_weight=dummy,
-        max_running_requests=max(sizes),
+        # A mixed trace holds its decoders plus the chunk's requests.
+        max_running_requests=max(sizes + [b + chunk_tokens // args.context + 2 for b in mixed_sizes]),
         cuda_graph_max_bs=args.cuda_graph_max_bs,
         linear_backend=args.linear_backend,
+        page_size=args.page_size,
     )
     print(f"attention backend: {type(llm.engine.runner.attn).__name__}", flush=True)
     runs = [lambda bs=bs: trace_batch(llm, bs, args.context, args.steps, args.top) for bs in sizes]
@@ -166,6 +251,7 @@ def main() -> int:
         runs.append(
             lambda: trace_prefill(llm, args.prefill_tokens, args.context, args.top, args.host_profile)
         )
+    runs += [lambda bs=bs: trace_mixed(llm, bs, chunk_tokens, args.context, args.top) for bs in mixed_sizes]
     for run in runs:
         res = run()
         res.update(model=args.model, attn=type(llm.engine.runner.attn).__name__)

@@ -56,6 +56,13 @@ DECODE = Lens("decode", [0, 16, 39, 129], [1, 1, 1, 1])
 EXTEND = Lens("extend", [0, 3, 16, 50], [70, 1, 20, 9])
 GPU_DECODE = Lens("decode", [0, 15, 511, 1000, 77, 2047, 300, 8], [1] * 8)
 GPU_EXTEND = Lens("extend", [0, 100, 16, 700, 0], [300, 1, 129, 64, 5])
+# A mixed step (--enable-mixed-chunk): prefill chunks, then the decode batch as one-token extend rows.
+MIXED = Lens("extend", [0, 5, 16, 39, 129, 2], [70, 20, 1, 1, 1, 1])
+GPU_MIXED = Lens(
+    "extend",
+    [0, 700] + [random.Random(5).randrange(1, 2048) for _ in range(40)],
+    [300, 129] + [1] * 40,
+)
 
 
 class Batch(NamedTuple):
@@ -158,7 +165,7 @@ def check_backend(name: str, shape: Shape, page_size: int, lens: Lens, seed: int
 @cpu_interpreter
 @pytest.mark.parametrize("shape", CPU_SHAPES, ids=["gqa2", "gqa8"])
 @pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("lens", [DECODE, EXTEND], ids=["decode", "extend_with_prefix"])
+@pytest.mark.parametrize("lens", [DECODE, EXTEND, MIXED], ids=["decode", "extend_with_prefix", "mixed"])
 def test_triton_matches_torch_in_interpreter(shape: Shape, page_size: int, lens: Lens) -> None:
     check_backend("triton", shape, page_size, lens, seed=page_size)
 
@@ -299,11 +306,21 @@ def test_hybrid_routes_extend_and_decode_to_their_backends() -> None:
     backend = make("torch,triton", shape, 16)
     assert isinstance(backend, HybridAttention) and backend.name == "torch,triton"
     assert supports_cuda_graph(backend)
-    for lens in (EXTEND, DECODE):
+    for lens in (EXTEND, DECODE, MIXED):  # a mixed step is one extend batch for the prefill backend
         batch = random_batch(shape, 16, lens, seed=3)
         out = run_backend(backend, batch, shape.head_dim**-0.5)
         assert backend._active is (backend.decode_backend if lens is DECODE else backend.extend_backend)
         assert_close_to_reference(out, reference(batch, shape.head_dim**-0.5), shape.tol)
+
+
+def test_extend_tiles_list_each_block_once_costliest_first() -> None:
+    from kubesgl.attention.triton_kernels import extend_tiles
+
+    tiles = extend_tiles([0, 300, 5, 900], [130, 1, 64, 1], block_m=64)  # 3 + 1 + 1 + 1 blocks
+    pairs = list(zip(*tiles.tolist(), strict=True))
+    assert sorted(pairs) == [(0, 0), (0, 1), (0, 2), (1, 0), (2, 0), (3, 0)]
+    assert pairs[:3] == [(3, 0), (1, 0), (0, 2)]  # keys seen: 901, 301, 130, then 128, 69, 64
+    assert extend_tiles([7], [1]).tolist() == [[0], [0]]
 
 
 # --- registry ---------------------------------------------------------------------------------------
@@ -341,11 +358,28 @@ GPU_BACKENDS = [
 @pytest.mark.parametrize("name", GPU_BACKENDS)
 @pytest.mark.parametrize("shape", GPU_SHAPES, ids=["qwen3_0.6b", "gqa8"])
 @pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("lens", [GPU_DECODE, GPU_EXTEND], ids=["decode", "extend_with_prefix"])
+@pytest.mark.parametrize(
+    "lens", [GPU_DECODE, GPU_EXTEND, GPU_MIXED], ids=["decode", "extend_with_prefix", "mixed"]
+)
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_backend_matches_torch_on_gpu(name: str, shape: Shape, page_size: int, lens: Lens) -> None:
     check_backend(name, shape, page_size, lens, seed=page_size)
+
+
+@pytest.mark.skipif(not HAS_FLASHINFER, reason="no flashinfer")
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_default_hybrid_attends_a_mixed_step_with_flashinfer_prefill(page_size: int) -> None:
+    """`auto` on the GPU (FlashInfer prefill, Triton decode): a mixed step's decode rows go to FlashInfer's
+    prefill wrapper as one-token queries of one ragged extend batch."""
+    shape = GPU_SHAPES[0]
+    backend = make("flashinfer,triton", shape, page_size)
+    batch = random_batch(shape, page_size, GPU_MIXED, seed=page_size)
+    out = run_backend(backend, batch, shape.head_dim**-0.5)
+    assert backend._active is backend.extend_backend
+    assert_close_to_reference(out, reference(batch, shape.head_dim**-0.5), shape.tol)
 
 
 @pytest.mark.parametrize("name", GPU_BACKENDS)

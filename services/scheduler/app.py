@@ -53,6 +53,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attn", default=d.attn, help="attention backend: torch|triton|flashinfer|fa3|auto")
     parser.add_argument("--cuda-graph-max-bs", type=int, default=d.cuda_graph_max_bs, help="0 disables")
     parser.add_argument("--disable-overlap", action="store_true", help="no overlap scheduling")
+    parser.add_argument(
+        "--enable-mixed-chunk",
+        action=argparse.BooleanOptionalAction,
+        default=d.enable_mixed_chunk,
+        help="prefill steps also carry the decode batch (SGLang's flag; decode rows count against "
+        "--max-prefill-length)",
+    )
     parser.add_argument("--seed", type=int, default=d.seed, help="sampling seed for unseeded requests")
     parser.add_argument(
         "--default-max-tokens",
@@ -134,6 +141,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         attn=args.attn,
         cuda_graph_max_bs=args.cuda_graph_max_bs,
         disable_overlap=args.disable_overlap,
+        enable_mixed_chunk=args.enable_mixed_chunk,
         seed=args.seed,
         default_max_tokens=args.default_max_tokens,
         kv_event_block_size=args.kv_event_block_size if args.cache == "radix" else 0,

@@ -63,7 +63,7 @@ class _ExtendPlan:
     q_starts: torch.Tensor
     prefix_lens: torch.Tensor
     extend_lens: torch.Tensor
-    max_extend_len: int
+    tiles: torch.Tensor  # [2, n] int32: triton_kernels.extend_tiles
 
 
 @dataclass
@@ -168,10 +168,13 @@ class TritonAttention:
             return
         b = meta.batch_size
         q_starts = exclusive_cumsum(meta.extend_lens)[:b]
-        ints = to_device_int32(q_starts + list(meta.prefix_lens) + list(meta.extend_lens), self.device).view(
-            3, b
+        tiles = self._kernels.extend_tiles(meta.prefix_lens, meta.extend_lens)
+        ints = to_device_int32(
+            q_starts + list(meta.prefix_lens) + list(meta.extend_lens) + tiles.ravel().tolist(), self.device
         )
-        self._plan = _ExtendPlan(meta.page_table, ints[0], ints[1], ints[2], max(meta.extend_lens))
+        self._plan = _ExtendPlan(
+            meta.page_table, ints[:b], ints[b : 2 * b], ints[2 * b : 3 * b], ints[3 * b :].view(2, -1)
+        )
 
     def _split_policy(self, batch_size: int) -> tuple[int, int]:
         if self._fixed_splits:
@@ -273,7 +276,7 @@ class TritonAttention:
             plan.q_starts,
             plan.prefix_lens,
             plan.extend_lens,
-            plan.max_extend_len,
+            plan.tiles,
             out,
             scale,
         )

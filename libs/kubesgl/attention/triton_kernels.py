@@ -8,11 +8,13 @@ device, so a decode launch can be captured in a CUDA graph and replayed with new
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
+EXTEND_BLOCK_M = 64  # new tokens per extend program
 
 
 @triton.jit
@@ -220,6 +222,8 @@ def _extend_kernel(
     q_start_ptr,
     prefix_lens_ptr,
     extend_lens_ptr,
+    tile_req_ptr,
+    tile_block_ptr,
     qk_scale,
     stride_qt,
     stride_qh,
@@ -237,49 +241,65 @@ def _extend_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """One program: BLOCK_M new tokens of one request and one query head, over prefix + causal new KV."""
-    b = tl.program_id(0)
+    """One program: tile `tile` (BLOCK_M new tokens of one request) and one query head, over prefix + causal
+    new KV. Tiles are listed on the host (`extend_tiles`), so no program is launched for rows past a request's
+    new tokens: a mixed step's one-token decode rows would otherwise launch max_extend / BLOCK_M programs each."""
+    tile = tl.program_id(0)
     h = tl.program_id(1)
-    m_block = tl.program_id(2)
+    b = tl.load(tile_req_ptr + tile)
+    m_block = tl.load(tile_block_ptr + tile)
     extend_len = tl.load(extend_lens_ptr + b)
-    if m_block * BLOCK_M < extend_len:
-        q_start = tl.load(q_start_ptr + b)
-        prefix = tl.load(prefix_lens_ptr + b)
-        kv_head = h // GROUP
+    q_start = tl.load(q_start_ptr + b)
+    prefix = tl.load(prefix_lens_ptr + b)
+    kv_head = h // GROUP
 
-        offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_d = tl.arange(0, BLOCK_D)
-        mask_m = offs_m < extend_len
-        mask_d = offs_d < HEAD_DIM
-        q = tl.load(
-            q_ptr + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
-            mask=mask_m[:, None] & mask_d[None, :],
-            other=0.0,
-        )
-        # Query m sits at absolute position prefix + m and sees keys 0..prefix + m.
-        q_pos = prefix + offs_m
-        kv_end = prefix + tl.minimum(extend_len, (m_block + 1) * BLOCK_M)
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_m = offs_m < extend_len
+    mask_d = offs_d < HEAD_DIM
+    q = tl.load(
+        q_ptr + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+        mask=mask_m[:, None] & mask_d[None, :],
+        other=0.0,
+    )
+    # Query m sits at absolute position prefix + m and sees keys 0..prefix + m.
+    q_pos = prefix + offs_m
+    kv_end = prefix + tl.minimum(extend_len, (m_block + 1) * BLOCK_M)
 
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        row = page_table_ptr + b * stride_pt
-        for n0 in range(0, kv_end, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            mask_n = offs_n < kv_end
-            # Key 0 is visible to every row, so the running max is finite from the first block on.
-            visible = mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None])
-            m_i, l_i, acc = _attend_block(
-                q, k_ptr, v_ptr, row, offs_n, mask_n, visible, kv_head, offs_d, mask_d,
-                stride_ks, stride_kh, stride_vs, stride_vh, qk_scale, m_i, l_i, acc, PAGE_SIZE,
-            )  # fmt: skip
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    row = page_table_ptr + b * stride_pt
+    for n0 in range(0, kv_end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < kv_end
+        # Key 0 is visible to every row, so the running max is finite from the first block on.
+        visible = mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        m_i, l_i, acc = _attend_block(
+            q, k_ptr, v_ptr, row, offs_n, mask_n, visible, kv_head, offs_d, mask_d,
+            stride_ks, stride_kh, stride_vs, stride_vh, qk_scale, m_i, l_i, acc, PAGE_SIZE,
+        )  # fmt: skip
 
-        out = acc / l_i[:, None]
-        tl.store(
-            out_ptr + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
-            out.to(out_ptr.dtype.element_ty),
-            mask=mask_m[:, None] & mask_d[None, :],
-        )
+    out = acc / l_i[:, None]
+    tl.store(
+        out_ptr + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=mask_m[:, None] & mask_d[None, :],
+    )
+
+
+def extend_tiles(prefix_lens: list[int], extend_lens: list[int], block_m: int = EXTEND_BLOCK_M) -> np.ndarray:
+    """The extend kernel's work list, [2, tiles] int32: each tile's request and its block of BLOCK_M new tokens,
+    the costliest first (a tile attends prefix + its last token's position keys), so long tiles start early
+    and short ones fill in behind them."""
+    pre = np.asarray(prefix_lens, dtype=np.int64)
+    ext = np.asarray(extend_lens, dtype=np.int64)
+    blocks = -(-ext // block_m)
+    req = np.repeat(np.arange(len(ext)), blocks)
+    block = np.arange(int(blocks.sum())) - np.repeat(np.cumsum(blocks) - blocks, blocks)
+    keys = pre[req] + np.minimum(ext[req], (block + 1) * block_m)
+    order = np.argsort(-keys, kind="stable")
+    return np.stack([req[order], block[order]]).astype(np.int32)
 
 
 def decode_attention(
@@ -380,21 +400,21 @@ def extend_attention(
     q_starts: torch.Tensor,
     prefix_lens: torch.Tensor,
     extend_lens: torch.Tensor,
-    max_extend_len: int,
+    tiles: torch.Tensor,
     out: torch.Tensor,
     scale: float,
     *,
-    block_m: int = 64,
     block_n: int = 64,
     num_warps: int = 4,
     num_stages: int = 2,
 ) -> torch.Tensor:
-    """New tokens of B requests, flattened: q/out [T, q_heads, D]; request b's rows start at q_starts[b]."""
+    """New tokens of B requests, flattened: q/out [T, q_heads, D]; request b's rows start at q_starts[b].
+    `tiles` [2, n] int32 on the device is `extend_tiles` of the batch's lengths (blocks of EXTEND_BLOCK_M)."""
     _, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     k_flat = k_cache.view(-1, num_kv_heads, head_dim)
     v_flat = v_cache.view(-1, num_kv_heads, head_dim)
-    grid = (extend_lens.shape[0], num_q_heads, triton.cdiv(max_extend_len, block_m))
+    grid = (tiles.shape[1], num_q_heads)
     _extend_kernel[grid](
         q,
         k_flat,
@@ -404,6 +424,8 @@ def extend_attention(
         q_starts,
         prefix_lens,
         extend_lens,
+        tiles[0],
+        tiles[1],
         scale * LOG2E,
         q.stride(0),
         q.stride(1),
@@ -418,7 +440,7 @@ def extend_attention(
         HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
         PAGE_SIZE=page_size,
-        BLOCK_M=block_m,
+        BLOCK_M=EXTEND_BLOCK_M,
         BLOCK_N=block_n,
         num_warps=num_warps,
         num_stages=num_stages,

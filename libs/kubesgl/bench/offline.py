@@ -35,6 +35,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--linear-backend", default="torch", choices=["torch", "triton", "auto"], help="decode-batch GEMVs"
     )
     p.add_argument("--disable-overlap", action="store_true")
+    p.add_argument(
+        "--enable-mixed-chunk",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="prefill steps carry the decode batch (SGLang's mixed chunk)",
+    )
     p.add_argument("--max-running-requests", type=int, default=256)
     p.add_argument("--max-prefill-length", type=int, default=8192)
     p.add_argument(
@@ -164,6 +170,7 @@ def main(args: argparse.Namespace) -> int:
         cuda_graph_max_bs=args.cuda_graph_max_bs,
         linear_backend=args.linear_backend,
         disable_overlap=args.disable_overlap,
+        enable_mixed_chunk=args.enable_mixed_chunk,
         dummy_weight=dummy,
         max_running_requests=args.max_running_requests,
         max_prefill_tokens=args.max_prefill_length,
@@ -173,6 +180,8 @@ def main(args: argparse.Namespace) -> int:
     weight_bytes = sum(p.numel() * p.element_size() for p in m.parameters())
     kv_tok = KVCache.bytes_per_token(m.num_layers, m.num_kv_heads, m.head_dim, m.dtype)
     llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=8))  # warm-up
+    sched = llm.engine.scheduler
+    warm_steps, warm_rows = sched.steps.copy(), sched.mixed_decode_rows
     params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n) for n in max_tokens]
     if args.device == "cuda":
         torch.cuda.synchronize()
@@ -197,6 +206,7 @@ def main(args: argparse.Namespace) -> int:
         "attn_spec": args.attn,
         "linear_backend": args.linear_backend,
         "overlap": llm.engine.overlap,
+        "mixed_chunk": args.enable_mixed_chunk,
         "cuda_graph_max_bs": graphs.max_bs if graphs else 0,
         "graph_capture_s": round(graphs.capture_seconds, 2) if graphs else 0.0,
         "requests": len(prompts),
@@ -210,6 +220,9 @@ def main(args: argparse.Namespace) -> int:
         "ceiling_tok_s": round(out_tokens / ideal, 1) if ideal == ideal else None,
         "ratio_to_ceiling": round(ideal / dt, 3) if ideal == ideal else None,
         "preemptions": llm.engine.stats().retracted_total,
+        # Steps of the run by kind (the warm-up's excluded) and the decode rows that rode in mixed steps.
+        **{f"steps_{kind}": sched.steps[kind] - warm_steps[kind] for kind in ("extend", "mixed", "decode")},
+        "mixed_decode_rows": sched.mixed_decode_rows - warm_rows,
     }
     llm.shutdown()
     if args.hf_baseline:

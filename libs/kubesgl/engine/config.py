@@ -23,6 +23,10 @@ class EngineConfig:
     cuda_graph_max_bs: int | None = None  # None = auto, 0 = off
     linear_backend: str = "torch"  # "torch" | "triton" | "auto": decode-batch GEMVs (kernels/gemv.py)
     disable_overlap: bool = False
+    # SGLang's --enable-mixed-chunk: a prefill step also carries the decode batch (one token per request, counted
+    # against max_prefill_tokens), so decoding requests advance while prompts are prefilled. The step is eager:
+    # its decode rows leave the decode CUDA graph and attend through the prefill backend.
+    enable_mixed_chunk: bool = False
     dummy_weight: bool = False
     seed: int = 0  # engine RNG for requests without a seed
     dist_port: int = 0  # torch.distributed rendezvous port for tp_size > 1 (0 = pick a free one)

@@ -186,6 +186,7 @@ class Engine:
                 vocab_size=r.model.vocab_size,
                 eos_token_ids=tuple(r.model.eos_token_ids),
                 default_max_tokens=config.default_max_tokens,
+                enable_mixed_chunk=config.enable_mixed_chunk,
             ),
             self.pool,
             cache,

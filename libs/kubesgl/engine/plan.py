@@ -25,21 +25,32 @@ class SlotInit:
 
 @dataclass
 class BatchPlan:
-    """One forward + sample step over B requests (see AttentionMetadata for the length fields)."""
+    """One forward + sample step over B requests (see AttentionMetadata for the length fields).
+
+    A mixed step (`--enable-mixed-chunk`) is an extend plan whose last `num_decode` rows are decode rows
+    riding along: one token each, at position prefix_lens[i], read from the token pool like a decode batch's
+    (under overlap scheduling the host has not seen it yet). Every other field is per row for them too.
+    """
 
     mode: Literal["extend", "decode"]
     slots: list[int]
     prefix_lens: list[int]
     extend_lens: list[int]
-    tokens: list[int]  # extend: the new tokens, concatenated; decode: empty (read from the token pool)
+    tokens: list[int]  # the extend rows' new tokens, concatenated; decode rows' come from the token pool
     sample: list[bool]  # False for a prefill chunk that is not the request's last
     top_logprobs: list[int]  # per request: -1 no logprobs, else how many alternatives
     page_writes: list[tuple[int, int, list[int]]] = field(default_factory=list)  # (slot, first index, pages)
     slot_inits: list[SlotInit] = field(default_factory=list)
+    num_decode: int = 0  # extend plans: trailing decode rows (a mixed step); decode plans: unused
 
     @property
     def batch_size(self) -> int:
         return len(self.slots)
+
+    @property
+    def num_extend(self) -> int:
+        """Rows whose tokens are in `tokens` (all of an extend plan's but its trailing decode rows)."""
+        return len(self.slots) - self.num_decode if self.mode == "extend" else 0
 
     @property
     def seq_lens(self) -> list[int]:

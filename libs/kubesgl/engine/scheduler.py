@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import itertools
 import random
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 
 from kubesgl.engine.plan import BatchPlan, SlotInit
@@ -25,6 +25,7 @@ class SchedulerLimits:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     default_max_tokens: int | None = None  # budget of a request without max_tokens (None: the whole context)
+    enable_mixed_chunk: bool = False  # prefill steps carry the decode batch (SGLang's --enable-mixed-chunk)
 
 
 @dataclass
@@ -52,6 +53,9 @@ class Scheduler:
         self.cached_tokens_total = 0
         self.generation_tokens_total = 0
         self.num_preemptions = 0
+        # Steps planned by kind ("extend", "mixed", "decode") and decode rows that rode in mixed steps.
+        self.steps: Counter[str] = Counter()
+        self.mixed_decode_rows = 0
 
     # -- requests in and out -----------------------------------------------------------------------
     def add_request(self, rid: str, input_ids: list[int], params: SamplingParams) -> None:
@@ -106,21 +110,59 @@ class Scheduler:
 
     # -- scheduling ----------------------------------------------------------------------------------
     def schedule(self) -> tuple[BatchPlan, list[Req]] | None:
-        """The next batch: prefill work first (new or chunked requests), else one decode step for all."""
-        scheduled = self._schedule_extend() or self._schedule_decode()
-        if scheduled is not None and self._pending_page_writes:
+        """The next batch: prefill work first (new or chunked requests), else one decode step for all. With
+        mixed chunks on, a prefill step also carries every decode-ready request, one token each."""
+        decoding = self._decode_ready()
+        prefill = [r for r in self.running if r.is_prefilling] + [r for r in self.waiting if r.pending == 0]
+        scheduled = None
+        if prefill and self.limits.enable_mixed_chunk and decoding:
+            scheduled = self._schedule_extend(prefill, decoding)
+        # Without mixing, or when the decode rows leave no budget or memory for any prefill: as without the flag
+        # (the decode step after it is where memory pressure preempts).
+        if prefill and scheduled is None:
+            scheduled = self._schedule_extend(prefill, [])
+        scheduled = scheduled or self._schedule_decode(decoding)
+        if scheduled is None:
+            return None
+        plan = scheduled[0]
+        kind = "mixed" if plan.num_decode else plan.mode
+        self.steps[kind] += 1
+        self.mixed_decode_rows += plan.num_decode
+        if self._pending_page_writes:
             # Page-table rows changed by the prefix cache go first: the plan's own writes may extend them.
             live = [(s, i, p) for r, s, i, p in self._pending_page_writes if r.slot == s]
-            scheduled[0].page_writes[:0] = live
+            plan.page_writes[:0] = live
             self._pending_page_writes = []
         return scheduled
 
-    def _schedule_extend(self) -> tuple[BatchPlan, list[Req]] | None:
-        budget = self.limits.max_prefill_tokens
+    def _decode_ready(self) -> list[Req]:
+        """Running requests that take a decode step now, oldest first."""
+        ctx = self.limits.context_len
+        batch = [
+            r
+            for r in self.running
+            if not r.is_prefilling and len(r.output_ids) + r.pending < r.max_new_tokens and r.kv_len + 1 < ctx
+        ]
+        batch.sort(key=lambda r: r.arrival)
+        return batch
+
+    def _decode_pages(self, batch: list[Req]) -> int:
+        return sum(self.pool.pages_for(r.kv_len + 1) - len(r.pages) for r in batch)
+
+    def _schedule_extend(
+        self, candidates: list[Req], decoding: list[Req]
+    ) -> tuple[BatchPlan, list[Req]] | None:
+        """Prefill chunks of `candidates` (chunked requests, then the queue) up to the token budget. `decoding`
+        (mixed chunk) ride along as the plan's last rows; as in SGLang each counts one token against the budget,
+        so a step stays within --max-prefill-length. None when no prefill fits, with them or (decoding empty)
+        at all; a failed attempt leaves the queue as it was (an admission it took back heads the queue)."""
+        budget = self.limits.max_prefill_tokens - len(decoding)
+        reserved = self._decode_pages(decoding)  # kept free for the decode rows through the loop
+        if decoding and (budget <= 0 or not self._make_room(reserved)):
+            return None
         plan = BatchPlan("extend", [], [], [], [], [], [])
         reqs: list[Req] = []
-        chunking = [r for r in self.running if r.is_prefilling]
-        for req in chunking + [r for r in self.waiting if r.pending == 0]:
+        for req in candidates:
             if budget <= 0:
                 break
             admitted_now = req.state is ReqState.WAITING
@@ -132,7 +174,7 @@ class Scheduler:
             need = self.pool.pages_for(req.kv_len + chunk) - len(req.pages)
             # New work must leave each decoding request room for its next page.
             headroom = sum(1 for r in self.running if not r.is_prefilling) if admitted_now else 0
-            if not self._make_room(need + headroom):
+            if not self._make_room(need + headroom + reserved):
                 if admitted_now:
                     self._unadmit(req, plan)
                 break
@@ -148,21 +190,17 @@ class Scheduler:
             req.pending += last
             budget -= chunk
             reqs.append(req)
-        return (plan, reqs) if reqs else None
-
-    def _schedule_decode(self) -> tuple[BatchPlan, list[Req]] | None:
-        ctx = self.limits.context_len
-        batch = [
-            r
-            for r in self.running
-            if not r.is_prefilling and len(r.output_ids) + r.pending < r.max_new_tokens and r.kv_len + 1 < ctx
-        ]
-        if not batch:
+        if not reqs:
             return None
-        batch.sort(key=lambda r: r.arrival)
+        if decoding:
+            self._add_decode_rows(plan, decoding)
+            plan.num_decode = len(decoding)
+            reqs += decoding
+        return plan, reqs
+
+    def _schedule_decode(self, batch: list[Req]) -> tuple[BatchPlan, list[Req]] | None:
         while batch:
-            need = sum(self.pool.pages_for(r.kv_len + 1) - len(r.pages) for r in batch)
-            if self._make_room(need):
+            if self._make_room(self._decode_pages(batch)):
                 break
             chunking = [r for r in self.running if r.is_prefilling]
             if chunking:  # half-prefilled requests give way first: decoders are closer to done
@@ -174,6 +212,11 @@ class Scheduler:
         if not batch:
             return None
         plan = BatchPlan("decode", [], [], [], [], [], [])
+        self._add_decode_rows(plan, batch)
+        return plan, batch
+
+    def _add_decode_rows(self, plan: BatchPlan, batch: list[Req]) -> None:
+        """One decode row per request (its next page allocated): the token at position kv_len, sampled."""
         for req in batch:
             self._grow(req, self.pool.pages_for(req.kv_len + 1) - len(req.pages), plan)
             plan.slots.append(req.slot)
@@ -183,7 +226,6 @@ class Scheduler:
             plan.top_logprobs.append(self._top_logprobs(req))
             req.kv_len += 1
             req.pending += 1
-        return plan, batch
 
     @staticmethod
     def _top_logprobs(req: Req) -> int:
@@ -258,6 +300,7 @@ class Scheduler:
         """Applies a finished step's sampled tokens; returns the outputs it produced (incl. aborts)."""
         eos = self.limits.eos_token_ids
         touched: list[Req] = []
+        prefilled = plan.num_extend  # rows before it are prefill chunks, after it decode rows
         for i, req in enumerate(reqs):
             if not plan.sample[i]:
                 continue
@@ -275,7 +318,7 @@ class Scheduler:
                 self._finish(req, FinishReason.STOP)
             elif len(req.output_ids) >= req.max_new_tokens or req.num_known >= self.limits.context_len:
                 self._finish(req, FinishReason.LENGTH)
-            elif plan.mode == "extend":  # prefill just completed: share the prompt with later requests
+            elif i < prefilled:  # prefill just completed: share the prompt with later requests
                 self._cache_prefix(req, min(req.prefill_target, req.num_known))
         return [self._output(r) for r in touched if not r.finished] + self.drain_finished()
 

@@ -63,8 +63,10 @@ class StepProfile:
     _wait: float = 0.0
 
     @staticmethod
-    def key(mode: str, batch: int) -> tuple[str, int]:
-        return mode, 1 << max(batch - 1, 0).bit_length()  # batch sizes bucketed to powers of two
+    def key(plan: BatchPlan) -> tuple[str, int]:
+        """(mode, batch size bucketed to a power of two); a mixed step is "mixed", sized by its decode rows."""
+        mode, batch = ("mixed", plan.num_decode) if plan.num_decode else (plan.mode, plan.batch_size)
+        return mode, 1 << max(batch - 1, 0).bit_length()
 
     def _tick(self) -> float:
         now = time.perf_counter()
@@ -93,7 +95,7 @@ class StepProfile:
 
     def processed(self, plan: BatchPlan) -> None:
         t_sched, t_launch, events = self._launched.pop(id(plan))
-        b = self.buckets[self.key(plan.mode, plan.batch_size)]
+        b = self.buckets[self.key(plan)]
         b.steps += 1
         b.schedule += t_sched
         b.launch += t_launch

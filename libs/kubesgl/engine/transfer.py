@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -28,8 +29,9 @@ class PinnedStaging:
     def _alloc(self, n: int) -> torch.Tensor:
         return torch.empty(n, dtype=torch.int64, pin_memory=self.device.type == "cuda")
 
-    def upload(self, values: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
-        """values as int64 on the device, written into `out[:len(values)]` when given (else a new tensor)."""
+    def upload(self, values: list[int] | np.ndarray, out: torch.Tensor | None = None) -> torch.Tensor:
+        """values (a list, or an int64 array) as int64 on the device, written into `out[:len(values)]` when
+        given (else a new tensor)."""
         n = len(values)
         dst = out[:n] if out is not None else torch.empty(n, dtype=torch.int64, device=self.device)
         if self.device.type != "cuda":
