@@ -447,7 +447,7 @@ class GatewayMetrics:
         # Same buckets as the scheduler's sglang:* histograms so the two can be compared bucket by bucket.
         self._ttft = Histogram(
             "kubesgl_gateway_time_to_first_token_seconds",
-            "Time from receiving the HTTP request to sending its first token.",
+            "Time from the HTTP request's arrival (before its body is read) to sending its first token.",
             ["model"],
             buckets=TTFT_BUCKETS,
             registry=registry,
@@ -466,19 +466,22 @@ class GatewayMetrics:
             registry=registry,
         )
 
-    def request(self, model: str, endpoint: str) -> GatewayRequestMetrics:
+    def request(self, model: str, endpoint: str, start: float | None = None) -> GatewayRequestMetrics:
         """Starts timing one HTTP request. `model` must be a served model id or "unknown" (an arbitrary
-        client string would make label values unbounded); `endpoint` the route, e.g. "/v1/chat/completions"."""
-        return GatewayRequestMetrics(self, model, endpoint)
+        client string would make label values unbounded); `endpoint` the route, e.g. "/v1/chat/completions";
+        `start` the request's arrival (time.perf_counter(); default now)."""
+        return GatewayRequestMetrics(self, model, endpoint, start)
 
 
 class GatewayRequestMetrics:
     """One HTTP request's timer: in flight from creation until finish()."""
 
-    def __init__(self, metrics: GatewayMetrics, model: str, endpoint: str) -> None:
+    def __init__(
+        self, metrics: GatewayMetrics, model: str, endpoint: str, start: float | None = None
+    ) -> None:
         self._m = metrics
         self._model, self._endpoint = model, endpoint
-        self._start = time.perf_counter()
+        self._start = time.perf_counter() if start is None else start
         self._last_token: float | None = None
         self._finished = False
         self.tokens = 0  # completion tokens sent so far
