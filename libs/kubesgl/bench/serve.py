@@ -48,6 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="offline LLM device (match the scheduler's)")
     p.add_argument("--page-size", type=int, default=1, help="offline LLM page size (match the scheduler's)")
     p.add_argument("--num-pages", type=int, default=None, help="offline LLM KV pages")
+    p.add_argument(
+        "--dummy-weight", action="store_true", help="offline LLM on random weights (as the scheduler's flag)"
+    )
     p.add_argument("--json", default=None, help="append the figures as one JSON line to this file")
     p.add_argument(
         "--workload",
@@ -191,7 +194,13 @@ async def _stream(
 def _offline(args: argparse.Namespace, prompts: list[list[int]], max_tokens: list[int]) -> dict[str, Any]:
     from kubesgl import LLM, SamplingParams
 
-    llm = LLM(args.model, device=args.device, page_size=args.page_size, num_pages=args.num_pages)
+    llm = LLM(
+        args.model,
+        device=args.device,
+        page_size=args.page_size,
+        num_pages=args.num_pages,
+        dummy_weight=args.dummy_weight,
+    )
     try:
         llm.generate([prompts[0][:8]], SamplingParams(max_tokens=2))  # warm-up
         params = [
