@@ -80,7 +80,9 @@ class AccessLog:
         finally:
             level = logging.DEBUG if scope["path"] in _QUIET_PATHS else logging.INFO
             if log.isEnabledFor(level):
-                log.log(level, "%s", line(scope, sent[0] if sent else None, time.perf_counter() - arrival.perf_s))
+                log.log(
+                    level, "%s", line(scope, sent[0] if sent else None, time.perf_counter() - arrival.perf_s)
+                )
 
 
 def line(scope: Scope, http_status: int | None, duration_s: float) -> str:

@@ -6,7 +6,7 @@ body's read and parse before the route runs is part of what the client waits for
 from __future__ import annotations
 
 from fastapi import Request
-from kubesgl.service.telemetry.tracing import ATTR_MODEL, SPAN_GATEWAY_REQUEST, traceparent
+from kubesgl.service.telemetry.tracing import ATTR_MODEL, ATTR_TTFT, SPAN_GATEWAY_REQUEST, traceparent
 from kubesgl.services.gateway.access_log import arrival_of, record_of
 from kubesgl.services.gateway.api_keys import ANONYMOUS
 from kubesgl.services.gateway.gateway import Gateway
@@ -45,6 +45,8 @@ class RequestScope:
         self._access.rid = rid or "-"
         self._access.completion_tokens, self._access.ttft_s = self.metrics.tokens, self.metrics.ttft_s
         self._span.set_attribute("http.response.status_code", status)
+        if self.metrics.ttft_s is not None:
+            self._span.set_attribute(ATTR_TTFT, self.metrics.ttft_s)
         if status >= 500:
             self._span.set_status(Status(StatusCode.ERROR))
         self._span.end()
