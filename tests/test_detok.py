@@ -129,7 +129,7 @@ class Bus:
 
     def inbox(self, gateway_id: str) -> Callable[[Msg], Awaitable[None]]:
         async def on_delta(msg: Msg) -> None:
-            self.received.setdefault(gateway_id, []).append((msg.headers[p.HEADER_RID], msg.data))
+            self.received.setdefault(gateway_id, []).append((p.TextDelta.from_bytes(msg.data).rid, msg.data))
 
         return on_delta
 

@@ -474,7 +474,8 @@ class GatewayMetrics:
 
 
 class GatewayRequestMetrics:
-    """One HTTP request's timer: in flight from creation until finish()."""
+    """One HTTP request's timer: in flight from creation until finish(). Its labelled series are looked up
+    once here, not per token (a labels() call cost more than the observation it selects)."""
 
     def __init__(
         self, metrics: GatewayMetrics, model: str, endpoint: str, start: float | None = None
@@ -484,6 +485,9 @@ class GatewayRequestMetrics:
         self._start = time.perf_counter() if start is None else start
         self._last_token: float | None = None
         self._finished = False
+        self._ttft = metrics._ttft.labels(model=model)
+        self._itl = metrics._itl.labels(model=model)
+        self._tokens = metrics._tokens.labels(model=model)
         self.tokens = 0  # completion tokens sent so far
         self.ttft_s: float | None = None
         metrics._in_flight.labels(model=model).inc()
@@ -496,13 +500,13 @@ class GatewayRequestMetrics:
         self.tokens += n
         if self._last_token is None:
             self.ttft_s = now - self._start
-            self._m._ttft.labels(model=self._model).observe(self.ttft_s)
+            self._ttft.observe(self.ttft_s)
         else:
             per_token = (now - self._last_token) / n
             for _ in range(n):
-                self._m._itl.labels(model=self._model).observe(per_token)
+                self._itl.observe(per_token)
         self._last_token = now
-        self._m._tokens.labels(model=self._model).inc(n)
+        self._tokens.inc(n)
 
     def finish(self, status: int) -> None:
         """The response ended with HTTP `status` (for a stream: 200, or the error status sent in it).
