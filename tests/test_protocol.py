@@ -74,12 +74,35 @@ def _samples() -> list[p.Message]:
             total_pages=10,
             cached_prefix_pages=0,
         ),
+        p.TextDeltaBatch(
+            deltas=[
+                p.TextDelta(rid="r1", instance_id="sched-0", seq=0, text="a", token_ids=[5]),
+                p.TextDelta(rid="r2", instance_id="sched-0", seq=3, text="", finished=True),
+            ]
+        ),
     ]
 
 
 @pytest.mark.parametrize("msg", _samples(), ids=lambda m: type(m).__name__)
 def test_every_message_round_trips(msg: p.Message) -> None:
     assert type(msg).from_bytes(msg.to_bytes()) == msg
+
+
+def test_a_list_of_dataclasses_round_trips_whatever_its_length() -> None:
+    # list[X] once took the fixed-tuple path: two logprobs (a coalesced delta) failed to encode.
+    lps = [p.TokenLogprob(token_id=i, logprob=-0.5 * i, top=((i, -0.5 * i),)) for i in range(3)]
+    delta = p.TextDelta(rid="r1", instance_id="sched-0", seq=0, text="ab", token_ids=[0, 1, 2], logprobs=lps)
+    assert p.TextDelta.from_bytes(delta.to_bytes()) == delta
+
+
+def test_a_gateway_subject_carries_a_batch_or_one_error_delta() -> None:
+    batch = _samples()[-1]
+    assert isinstance(batch, p.TextDeltaBatch)
+    assert p.gateway_deltas(batch.to_bytes()) == batch.deltas
+    single = p.TextDelta(rid="r1", instance_id="", seq=-1, text="", finished=True)
+    assert p.gateway_deltas(single.to_bytes()) == [single]
+    with pytest.raises(p.ProtocolError):
+        p.gateway_deltas(p.Abort(rid="r1").to_bytes())
 
 
 def test_unknown_fields_are_ignored_for_forward_compatibility() -> None:
