@@ -22,9 +22,9 @@ from kubesgl.launcher import Stack
 STREAMS = 48
 PROMPT_TOKENS = 200
 MAX_TOKENS = 4
-# Admitted in waves of 4, so the burst queues at the scheduler as at a loaded GPU: the TTFT is mostly the
+# Admitted in waves of 3, so the burst queues at the scheduler as at a loaded GPU: the TTFT is mostly the
 # server's own waiting, not the client's send of 48 requests (which the gateway cannot see).
-RUNNING = 4
+RUNNING = 3
 SLOW_BODY_S = 0.3
 _TTFT = "kubesgl_gateway_time_to_first_token_seconds"
 
