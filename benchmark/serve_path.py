@@ -243,6 +243,7 @@ async def run_once(
     spans = receiver.snapshot()
     ok = [r for r in results if r.error is None]
     tokens = sum(r.tokens for r in ok)
+    firsts = [r.first_s for r in ok if r.first_s is not None]
     traced = [s for r in ok if r.trace_id and (s := stages(r, spans)) is not None]
     row: dict[str, Any] = {
         "streams": n,
@@ -253,7 +254,7 @@ async def run_once(
         "seconds": round(wall, 3),
         "path_tok_s": round(tokens / wall),
         "engine_tok_s": round(fake_engine_rate(args, lens, outputs)),
-        "client_ttft_mean_ms": round(1000 * statistics.mean(r.first_s for r in ok if r.first_s), 1),
+        "client_ttft_mean_ms": round(1000 * statistics.mean(firsts), 1) if firsts else None,
         "traced": len(traced),
         "stage_ms_mean": {
             name: round(statistics.mean((s[b] - s[a]) / 1e6 for s in traced), 2) for name, a, b in STAGES
@@ -272,6 +273,8 @@ def print_row(row: dict[str, Any]) -> None:
         f"{row['engine_tok_s']} ({row['path_over_engine']}); failed {row['failed']}; "
         f"client TTFT mean {row['client_ttft_mean_ms']} ms"
     )
+    for error in row["errors"]:
+        print(f"  error: {error}")
     print(f"  stages, mean over {row['traced']} traced requests (ms):")
     for name, ms in row["stage_ms_mean"].items():
         print(f"    {name:<28} {ms:>9}")
