@@ -74,7 +74,7 @@ class ChoiceGroup:
         """Runs every choice to its end (the non-streaming path)."""
         results = {c.index: ChoiceResult(c.index, "", None) for c in self.choices}
         for c in self.choices:
-            if c.request.sampling.logprobs is not None:
+            if c.logprobs:
                 results[c.index].logprobs = []
         async for event in self.events():
             r = results[event.index]

@@ -25,6 +25,8 @@ class GenerationSpec:
     """One validated request: `params` for choice 0; `params_for_choice(i)` for the fan-out children.
 
     `params.max_tokens` is None when the client set none: the engine gives it the rest of the context.
+    `logprobs` says whether the answer shows logprobs: `echo` asks the engine for the prompt's tokens
+    (`params.logprobs.prompt_start` 0) even when the client asked for no logprobs.
     """
 
     params: SamplingParams
@@ -32,6 +34,8 @@ class GenerationSpec:
     n: int = 1
     stream: bool = False
     include_usage: bool = False
+    logprobs: bool = False
+    echo: bool = False
 
     def params_for_choice(self, index: int) -> SamplingParams:
         # Distinct seeds keep n seeded samples different yet reproducible; choice 0 keeps the request's seed.
@@ -71,11 +75,17 @@ def chat_spec(req: ChatCompletionRequest) -> GenerationSpec:
 
 
 def completion_spec(req: CompletionRequest) -> GenerationSpec:
-    _reject_if(req.echo, "echo", "echo is not supported")
     _reject_if(bool(req.suffix), "suffix", "suffix is not supported")
     _reject_if(req.logprobs is not None and req.logprobs < 0, "logprobs", "logprobs must be >= 0")
     top = req.logprobs or 0
-    return _spec(req, req.max_tokens, req.logprobs is not None, top, "logprobs")
+    # max_tokens 0 generates nothing (with echo: the prompt and its logprobs alone, as lm-eval asks).
+    spec = _spec(req, req.max_tokens, req.logprobs is not None, top, "logprobs", min_tokens=0)
+    if not req.echo:
+        return spec
+    # The echoed prompt comes back from the engine (its tokens and their logprobs), so its prefix is not
+    # taken from the prefix cache (docs/architecture.md, "Prompt logprobs").
+    params = replace(spec.params, logprobs=LogprobOptions(top=top, prompt_start=0))
+    return replace(spec, params=params, echo=True)
 
 
 def native_spec(req: NativeGenerateRequest) -> GenerationSpec:
@@ -101,7 +111,9 @@ def native_spec(req: NativeGenerateRequest) -> GenerationSpec:
         logprobs=LogprobOptions(top=req.top_logprobs_num) if req.return_logprob else None,
     )
     _validate(params, {"max_tokens": "sampling_params.max_new_tokens"})
-    return GenerationSpec(params=params, stop=_stop_strings(sp.stop), stream=req.stream)
+    return GenerationSpec(
+        params=params, stop=_stop_strings(sp.stop), stream=req.stream, logprobs=req.return_logprob
+    )
 
 
 def _spec(
@@ -110,9 +122,15 @@ def _spec(
     logprobs: bool,
     top_logprobs: int,
     top_logprobs_param: str,
+    min_tokens: int = 1,
 ) -> GenerationSpec:
     _reject_if(bool(req.logit_bias), "logit_bias", "logit_bias is not supported")
     _reject_if(req.best_of not in (None, 1), "best_of", "best_of > 1 is not supported")
+    _reject_if(
+        max_tokens is not None and max_tokens < min_tokens,
+        "max_tokens",
+        f"max_tokens must be at least {min_tokens} (got {max_tokens})",
+    )
     _reject_if(not 1 <= req.n <= MAX_N, "n", f"n must be in [1, {MAX_N}] (got {req.n})")
     _reject_if(
         req.stream_options is not None and not req.stream,
@@ -140,7 +158,7 @@ def _spec(
     )
     _validate(params, {"top_logprobs": top_logprobs_param})
     include_usage = req.stream_options is not None and req.stream_options.include_usage
-    return GenerationSpec(params, _stop_strings(req.stop), req.n, req.stream, include_usage)
+    return GenerationSpec(params, _stop_strings(req.stop), req.n, req.stream, include_usage, logprobs)
 
 
 def _stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:

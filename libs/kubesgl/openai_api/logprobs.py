@@ -35,7 +35,10 @@ def completion_logprobs(entries: Sequence[TokenLogprob], text_offset: int = 0) -
     return {
         "tokens": [e.token for e in entries],
         "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [{token: lp for token, (_, lp), _ in _top(e)} for e in entries],
+        # An echoed prompt's first token has no logprob: OpenAI sends null for it and its alternatives.
+        "top_logprobs": [
+            None if e.logprob is None else {token: lp for token, (_, lp), _ in _top(e)} for e in entries
+        ],
         "text_offset": offsets,
     }
 
