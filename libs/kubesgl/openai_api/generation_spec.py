@@ -71,7 +71,7 @@ def chat_spec(req: ChatCompletionRequest) -> GenerationSpec:
     )
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     top = req.top_logprobs or 0
-    return _spec(req, max_tokens, req.logprobs, top, "top_logprobs")
+    return _spec(req, max_tokens, bool(req.logprobs), top, "top_logprobs")
 
 
 def completion_spec(req: CompletionRequest) -> GenerationSpec:
@@ -105,7 +105,7 @@ def native_spec(req: NativeGenerateRequest) -> GenerationSpec:
         presence_penalty=sp.presence_penalty,
         frequency_penalty=sp.frequency_penalty,
         repetition_penalty=sp.repetition_penalty,
-        seed=sp.seed,
+        seed=engine_seed(sp.seed),
         stop_token_ids=tuple(sp.stop_token_ids or ()),
         ignore_eos=sp.ignore_eos,
         logprobs=LogprobOptions(top=req.top_logprobs_num) if req.return_logprob else None,
@@ -131,9 +131,11 @@ def _spec(
         "max_tokens",
         f"max_tokens must be at least {min_tokens} (got {max_tokens})",
     )
-    _reject_if(not 1 <= req.n <= MAX_N, "n", f"n must be in [1, {MAX_N}] (got {req.n})")
+    n = 1 if req.n is None else req.n
+    stream = bool(req.stream)
+    _reject_if(not 1 <= n <= MAX_N, "n", f"n must be in [1, {MAX_N}] (got {n})")
     _reject_if(
-        req.stream_options is not None and not req.stream,
+        req.stream_options is not None and not stream,
         "stream_options",
         "stream_options is only allowed when stream is true",
     )
@@ -151,14 +153,20 @@ def _spec(
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-        seed=req.seed,
+        seed=engine_seed(req.seed),
         stop_token_ids=tuple(req.stop_token_ids or ()),
         ignore_eos=req.ignore_eos,
         logprobs=LogprobOptions(top=top_logprobs) if logprobs else None,
     )
     _validate(params, {"top_logprobs": top_logprobs_param})
-    include_usage = req.stream_options is not None and req.stream_options.include_usage
-    return GenerationSpec(params, _stop_strings(req.stop), req.n, req.stream, include_usage, logprobs)
+    include_usage = req.stream_options is not None and bool(req.stream_options.include_usage)
+    return GenerationSpec(params, _stop_strings(req.stop), n, stream, include_usage, logprobs)
+
+
+def engine_seed(seed: int | None) -> int | None:
+    """OpenAI takes any int64 seed; the engine's are [0, 2**63): a negative seed maps to seed + 2**63, so
+    each int64 seed names one engine seed, the same every time (a negative one shares it with one positive)."""
+    return None if seed is None else seed % _INT64
 
 
 def _stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:

@@ -55,7 +55,7 @@ def chat_response(rid: str, created: int, model: str, choices: list[ChoiceResult
         "choices": [
             {
                 "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
+                "message": {"role": "assistant", "content": c.text, "refusal": None},
                 "logprobs": None if c.logprobs is None else chat_logprobs(c.logprobs),
                 "finish_reason": c.finish_reason,
             }
