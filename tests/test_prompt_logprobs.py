@@ -57,13 +57,17 @@ def test_prompt_logprobs_are_the_models_with_the_first_token_null(model: str) ->
     assert len(out["token_ids"]) == 2 and len(out["logprobs"]) == 2
 
 
-@pytest.mark.parametrize("mixed", [False, True], ids=["plain", "mixed_chunk"])
-def test_prompt_logprobs_span_chunks_and_cached_prefixes(model: str, mixed: bool) -> None:
+@pytest.mark.parametrize(
+    ("mixed", "overlap"), [(False, False), (True, False), (True, True)], ids=["plain", "mixed", "overlap"]
+)
+def test_prompt_logprobs_span_chunks_and_cached_prefixes(model: str, mixed: bool, overlap: bool) -> None:
     """A 7-token prefill budget cuts the prompt into chunks; the shared prefix is in the cache beforehand,
-    and a prompt_start past it lets the request reuse the pages before it (page size 4)."""
+    and a prompt_start past it lets the request reuse the pages before it (page size 4). With overlap (the
+    GPU's loop, forced here on the CPU) each chunk is planned before the previous one's logprobs are read."""
     prefix = _prompt(20, 2)
     ids = prefix + _prompt(9, 3)
     with LLM(model, page_size=4, max_prefill_tokens=7, enable_mixed_chunk=mixed) as llm:
+        llm.engine.overlap = overlap
         warm = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
         llm.generate([prefix + _prompt(4, 4)], warm)
         # A decoding request alongside, so mixed steps happen.
@@ -81,10 +85,32 @@ def test_prompt_logprobs_span_chunks_and_cached_prefixes(model: str, mixed: bool
     assert outs[1]["cached_tokens"] == 12  # matched up to the logits of position 12, in whole pages
 
 
-def test_max_tokens_0_returns_the_prompt_only(model: str) -> None:
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_max_tokens_0_returns_the_prompt_only(model: str, overlap: bool) -> None:
     ids = _prompt(11, 6)
     with LLM(model, max_prefill_tokens=4) as llm:
+        llm.engine.overlap = overlap
         out = llm.generate([ids], SamplingParams(max_tokens=0, logprobs=LogprobOptions(0, 0)))[0]
         assert llm.engine.stats().num_running == 0
     assert out["token_ids"] == [] and out["finish_reason"] == "length"
     _assert_matches(model, ids, 0, out["prompt_logprobs"], 0)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_preempted_requests_keep_their_prompt_logprobs(model: str, overlap: bool) -> None:
+    """Room for about two requests: half-prefilled ones are preempted and prefilled again; each prompt
+    position is still scored exactly once, and the values are those of a roomy run."""
+    prompts = [_prompt(30 + i, 20 + i) for i in range(8)]
+    sp = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=LogprobOptions(1, 0))
+    with LLM(model) as roomy:
+        expected = roomy.generate(prompts, sp)
+    with LLM(model, num_pages=48, page_size=4, max_prefill_tokens=16) as tight:
+        tight.engine.overlap = overlap
+        got = tight.generate(prompts, sp)
+        assert tight.engine.stats().retracted_total > 0
+    for ids, want, have in zip(prompts, expected, got, strict=True):
+        assert [e.token_id for e in have["prompt_logprobs"]] == ids
+        assert have["prompt_logprobs"][0].logprob is None
+        for w, h in zip(want["prompt_logprobs"][1:], have["prompt_logprobs"][1:], strict=True):
+            assert h.logprob == pytest.approx(w.logprob, abs=1e-4) and h.top[0][0] == w.top[0][0]
+        assert have["token_ids"] == want["token_ids"]
