@@ -401,6 +401,15 @@ def test_native_generate_models_ready_and_metrics(url, offline, tokenizer) -> No
             r["meta_info"]["prompt_tokens"] == len(ids)
             and r["meta_info"]["finish_reason"]["type"] == "length"
         )
+        # SGLang's logprob_start_len: the input tokens' logprobs from there on, as the offline engine has them.
+        scored = _greedy(offline, ids, max_tokens=1, logprobs=LogprobOptions(top=1, prompt_start=1))
+        lp_body = {**body, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+        lp_body |= {"return_logprob": True, "top_logprobs_num": 1, "logprob_start_len": 1}
+        meta = http.post("/generate", json=lp_body).json()["meta_info"]
+        assert [e[1] for e in meta["input_token_logprobs"]] == ids[1:]
+        want = [e.logprob for e in scored["prompt_logprobs"]]
+        assert [e[0] for e in meta["input_token_logprobs"]] == pytest.approx(want, abs=1e-4)
+        assert len(meta["input_top_logprobs"][0]) == 1 and len(meta["output_token_logprobs"]) == 1
         with http.stream("POST", "/generate", json={**body, "stream": True}) as s:
             events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
         assert events[-1] == "[DONE]" and json.loads(events[-2])["text"] == r["text"]

@@ -205,6 +205,16 @@ def test_native_request_maps_sglang_names() -> None:
     assert spec.params.max_tokens == 4 and spec.params.temperature == 0 and spec.stop == ("y",)
     with pytest.raises(InvalidRequestError):
         native_spec(NativeGenerateRequest.model_validate({"sampling_params": {}}))
+    scored = native_spec(
+        NativeGenerateRequest.model_validate(
+            {"input_ids": [1, 2], "return_logprob": True, "top_logprobs_num": 2, "logprob_start_len": 1}
+        )
+    )
+    assert scored.params.logprobs == LogprobOptions(top=2, prompt_start=1) and scored.logprobs
+    for bad in ({"logprob_start_len": 0}, {"return_logprob": True, "logprob_start_len": -2}):
+        assert _param_of_400(
+            lambda **f: native_spec(NativeGenerateRequest.model_validate(f)), text="x", **bad
+        ) == ("logprob_start_len")
 
 
 def test_malformed_json_is_a_400() -> None:

@@ -82,6 +82,8 @@ class ChoiceGroup:
             r.token_ids.extend(event.token_ids)
             if r.logprobs is not None and event.logprobs:
                 r.logprobs.extend(event.logprobs)
+            if event.prompt_logprobs is not None:
+                r.prompt_logprobs = event.prompt_logprobs
             r.prompt_tokens = max(r.prompt_tokens, event.prompt_tokens)
             r.cached_tokens = max(r.cached_tokens, event.cached_tokens)
             r.completion_tokens = max(r.completion_tokens, event.completion_tokens)

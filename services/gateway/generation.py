@@ -32,6 +32,7 @@ class ChoiceEvent:
     completion_tokens: int = 0
     finish_reason: FinishReason | None = None
     matched_stop: str | int | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None  # asked for without echo (native logprob_start_len)
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,8 @@ class ChoiceGeneration:
             )
             if self.echo and delta.prompt_logprobs is not None:  # the first delta carries the prompt
                 self._echo(event, delta)
+            elif want_logprobs:
+                event.prompt_logprobs = delta.prompt_logprobs
             if stop_filter.stopped:
                 # The scheduler is still generating: close() aborts it.
                 event.finish_reason, event.matched_stop = FinishReason.STOP, stop_filter.matched

@@ -95,6 +95,12 @@ def native_spec(req: NativeGenerateRequest) -> GenerationSpec:
         "top_logprobs_num",
         "top_logprobs_num requires return_logprob",
     )
+    _reject_if(req.logprob_start_len < -1, "logprob_start_len", "logprob_start_len must be >= -1")
+    _reject_if(
+        req.logprob_start_len >= 0 and not req.return_logprob,
+        "logprob_start_len",
+        "logprob_start_len requires return_logprob",
+    )
     sp = req.sampling_params
     params = SamplingParams(
         max_tokens=sp.max_new_tokens,
@@ -108,7 +114,11 @@ def native_spec(req: NativeGenerateRequest) -> GenerationSpec:
         seed=engine_seed(sp.seed),
         stop_token_ids=tuple(sp.stop_token_ids or ()),
         ignore_eos=sp.ignore_eos,
-        logprobs=LogprobOptions(top=req.top_logprobs_num) if req.return_logprob else None,
+        logprobs=LogprobOptions(
+            req.top_logprobs_num, req.logprob_start_len if req.logprob_start_len >= 0 else None
+        )
+        if req.return_logprob
+        else None,
     )
     _validate(params, {"max_tokens": "sampling_params.max_new_tokens"})
     return GenerationSpec(

@@ -133,3 +133,4 @@ class NativeGenerateRequest(StrictModel):
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: Int = 0
+    logprob_start_len: Int = -1  # prompt-token logprobs from this position on; -1: the output tokens' only
