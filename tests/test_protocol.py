@@ -64,6 +64,8 @@ def _samples() -> list[p.Message]:
             token_ids=[7],
             finished=True,
             finish_reason=p.FinishReason.STOP,
+            prompt_logprobs=[p.TokenLogprob(1, None, token="a"), p.TokenLogprob(2, -3.0, token="b")],
+            prompt_text="ab",
         ),
         p.SchedulerStats(
             instance_id="sched-0",
@@ -73,6 +75,24 @@ def _samples() -> list[p.Message]:
             available_pages=10,
             total_pages=10,
             cached_prefix_pages=0,
+        ),
+        # Several logprobs in one list (a list of dataclasses once encoded only when it held exactly one).
+        p.TokenDelta(
+            rid="r3",
+            gateway_id="gw-a",
+            instance_id="sched-0",
+            seq=0,
+            tokens=[5, 6],
+            new_from=0,
+            logprobs=[p.TokenLogprob(5, -0.5), p.TokenLogprob(6, -1.5, ((6, -1.5),))],
+            prompt_logprobs=[p.TokenLogprob(1, None), p.TokenLogprob(2, -3.0), p.TokenLogprob(3, -0.25)],
+        ),
+        p.GenerateRequest(
+            rid="r4",
+            gateway_id="gw-a",
+            input_ids=[1, 2, 3],
+            sampling=SamplingParams(max_tokens=0, logprobs=LogprobOptions(top=1, prompt_start=0)),
+            deadline=1.0,
         ),
         p.TextDeltaBatch(
             deltas=[
@@ -86,13 +106,6 @@ def _samples() -> list[p.Message]:
 @pytest.mark.parametrize("msg", _samples(), ids=lambda m: type(m).__name__)
 def test_every_message_round_trips(msg: p.Message) -> None:
     assert type(msg).from_bytes(msg.to_bytes()) == msg
-
-
-def test_a_list_of_dataclasses_round_trips_whatever_its_length() -> None:
-    # list[X] once took the fixed-tuple path: two logprobs (a coalesced delta) failed to encode.
-    lps = [p.TokenLogprob(token_id=i, logprob=-0.5 * i, top=((i, -0.5 * i),)) for i in range(3)]
-    delta = p.TextDelta(rid="r1", instance_id="sched-0", seq=0, text="ab", token_ids=[0, 1, 2], logprobs=lps)
-    assert p.TextDelta.from_bytes(delta.to_bytes()) == delta
 
 
 def test_a_gateway_subject_carries_a_batch_or_one_error_delta() -> None:
