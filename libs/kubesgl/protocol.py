@@ -470,6 +470,21 @@ class TextDelta(Message):
 
 
 @dataclass
+class TextDeltaBatch(Message):
+    """detokenizer -> one gateway: the TextDeltas of one TokenDeltaBatch whose requests that gateway holds, in
+    one message: a NATS message per gateway per batch, not one per request per token (each cost the gateway
+    a message dispatch; see docs/performance.md, serve path)."""
+
+    deltas: list[TextDelta]
+
+
+def gateway_deltas(data: bytes) -> list[TextDelta]:
+    """What a gateway's subject carries: a TextDeltaBatch, or one TextDelta (a stage reporting an error)."""
+    msg = decode(data, TextDeltaBatch, TextDelta)
+    return msg.deltas if isinstance(msg, TextDeltaBatch) else [msg]
+
+
+@dataclass
 class SchedulerStats(Message):
     """Reply on stats_subject: the engine's counters, for operators and tests (e.g. pages back after abort)."""
 
