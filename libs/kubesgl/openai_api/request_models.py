@@ -38,7 +38,7 @@ class JsonSchemaFormat(StrictModel):
 
     model_config = ConfigDict(populate_by_name=True)
 
-    name: Annotated[str, Field(max_length=64)]
+    name: str  # OpenAI's label for the schema; it changes nothing here
     description: str | None = None
     schema_: JsonObject | None = Field(default=None, alias="schema")
     strict: bool | None = None
