@@ -88,6 +88,12 @@ case "$mode" in
     timeout 80 $B --model Qwen3-0.6B --enable-mixed-chunk | tail -1
     timeout 80 $B --model Qwen3-0.6B | tail -1
     ;;
+  json)  # structured outputs: the grammar GPU test, then unconstrained against 10% JSON-schema requests, same call
+    timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_structured_engine.py 2>&1 | tail -4 \
+      | tee "$OUT/gpu_tests_json.txt"
+    timeout 90 $B --model Qwen3-0.6B | tail -1
+    timeout 90 $B --model Qwen3-0.6B --json-fraction 0.1 | tail -1
+    ;;
   cache-save)  # the compile caches, for the next call's .gpu/ (each file must stay under 16 MB to come back)
     [ -d "$HOME/.cache/flashinfer" ] && tar czf "$OUT/cache-flashinfer.tgz" -C "$HOME" .cache/flashinfer
     [ -d "$HOME/.triton/cache" ] && tar czf "$OUT/cache-triton.tgz" -C "$HOME" .triton/cache

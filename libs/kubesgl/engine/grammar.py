@@ -12,7 +12,7 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from kubesgl.structured.compiler import CompiledConstraint, GrammarCompiler
+from kubesgl.structured.compiler import CacheInfo, CompiledConstraint, GrammarCompiler
 from kubesgl.values.constraint import Constraint
 
 _WORKERS = 2
@@ -52,6 +52,10 @@ class EngineGrammars:
                     tokenizer, self._vocab_size, self._eos, max_threads=_WORKERS
                 )
             return self._compiler
+
+    def cache_info(self) -> CacheInfo | None:
+        """The compile cache's counters; None before the first constraint."""
+        return self._compiler.cache_info() if self._compiler is not None else None
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
