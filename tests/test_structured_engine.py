@@ -125,3 +125,20 @@ def test_graph_and_overlap_paths_mask_and_bias_alike(demo_model_dir: str) -> Non
         assert out["finish_reason"] == "stop"
         jsonschema.validate(json.loads(out["text"]), SCHEMA)
     assert outs[3]["token_ids"] == [42] * 6
+
+
+def test_tp2_ranks_mask_and_sample_alike(llm: LLM, demo_model_dir: str) -> None:
+    """Rank 0 alone holds the matchers and broadcasts the bitmask: a TP=2 engine gives TP=1's constrained tokens."""
+    params = [
+        SamplingParams(max_tokens=300, temperature=0, constraint=Constraint.json_schema(SCHEMA)),
+        SamplingParams(
+            max_tokens=40, temperature=1.0, seed=5, constraint=Constraint("regex", REGEX, param="regex")
+        ),
+        SamplingParams(max_tokens=6, temperature=0, logit_bias=((42, 100.0),)),
+    ]
+    one = llm.generate(["a", "b", "c"], params)
+    with LLM(demo_model_dir, tp_size=2, num_pages=2048, page_size=4, max_prefill_tokens=64) as tp2:
+        two = tp2.generate(["a", "b", "c"], params)
+    assert [o["token_ids"] for o in two] == [o["token_ids"] for o in one]
+    jsonschema.validate(json.loads(two[0]["text"]), SCHEMA)
+    assert re.fullmatch(REGEX, two[1]["text"])
