@@ -40,6 +40,11 @@ class Req:
     finish_reason: FinishReason | None = None
     emitted: int = 0  # output tokens already reported
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # gathered across prefill chunks
+    prompt_logprobs_sent: bool = False
+    # The next prompt position whose logprob no launched step computes yet (by the logits one position before
+    # it); None when none is left, or none was asked for.
+    prompt_logprob_next: int | None = None
     # Structured outputs: the grammar being compiled (the request waits), then its matcher, which advances with
     # every token the host reads back.
     grammar_future: Future[CompiledConstraint] | None = None
