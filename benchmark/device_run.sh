@@ -103,6 +103,12 @@ case "$mode" in
     kill -INT $UP; wait $UP
     grep -E "Traceback|Error" "$OUT/serve_up.log" | head -5
     ;;
+  json)  # structured outputs: the grammar GPU test, then unconstrained against 10% JSON-schema requests, same call
+    timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_structured_engine.py 2>&1 | tail -4 \
+      | tee "$OUT/gpu_tests_json.txt"
+    timeout 90 $B --model Qwen3-0.6B | tail -1
+    timeout 90 $B --model Qwen3-0.6B --json-fraction 0.1 | tail -1
+    ;;
   mixedbench)  # the offline benchmark with mixed chunk on and off, same call (no tests, no trace: ~2 min)
     timeout 80 $B --model Qwen3-0.6B --enable-mixed-chunk | tail -1
     timeout 80 $B --model Qwen3-0.6B | tail -1
