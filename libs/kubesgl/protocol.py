@@ -35,6 +35,7 @@ from kubesgl.errors import (
     ServiceUnavailableError,
     UnsupportedModelError,
 )
+from kubesgl.values.constraint import Constraint
 from kubesgl.values.outputs import FinishReason, TokenLogprob
 from kubesgl.values.sampling import LogprobOptions, SamplingParams
 
@@ -173,7 +174,7 @@ def header_deadline(hdrs: dict[str, str] | None) -> float | None:
 M = TypeVar("M", bound="Message")
 
 # Every field of these changes what the engine does: one a receiver does not know is refused, not dropped.
-refuse_unknown_fields(SamplingParams, LogprobOptions)
+refuse_unknown_fields(SamplingParams, LogprobOptions, Constraint)
 
 
 @dataclass

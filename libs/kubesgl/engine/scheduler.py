@@ -82,6 +82,12 @@ class Scheduler:
             raise InvalidRequestError(
                 f"token id {bad} is outside the vocabulary [0, {self.limits.vocab_size})", param="prompt"
             )
+        bad = next((t for t, _ in params.logit_bias if t >= self.limits.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                f"logit_bias token id {bad} is outside the vocabulary [0, {self.limits.vocab_size})",
+                param="logit_bias",
+            )
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         # The one place an open-ended max_tokens gets its meaning: the server's default, else no cap but the
         # context (every request also stops where the context ends, so the budget is min(N, rest of context)).
