@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from kubesgl.errors import ContextLengthError, InvalidRequestError
 from kubesgl.openai_api.tool_calls import ToolCallFormat, detect_tool_format
+from kubesgl.openai_api.tool_constraint import tool_choice_constraint
 from kubesgl.protocol import ChatMessage, PromptKind, TokenizeRequest
 from kubesgl.text.tokenizer import ModelTokenizer
+from kubesgl.values.sampling import SamplingParams
 
 
 def model_tool_format(tokenizer: ModelTokenizer) -> ToolCallFormat | None:
@@ -29,6 +32,22 @@ def tool_format_for(req: TokenizeRequest, model_format: ToolCallFormat | None) -
             param="tools",
         )
     return model_format
+
+
+def tool_sampling(req: TokenizeRequest, fmt: ToolCallFormat | None) -> SamplingParams:
+    """`req.sampling`, with tool_choice "required" or a named function enforced by a grammar of `fmt`'s calls
+    (the gateway checked the tools and the choice; only here is the model's format known)."""
+    if fmt is None:
+        return req.sampling
+    constraint = tool_choice_constraint(fmt, list(req.tools), req.tool_choice, req.parallel_tool_calls)
+    if constraint is None:
+        return req.sampling
+    if req.sampling.constraint is not None:
+        raise InvalidRequestError(
+            "tool_choice 'required' or a named function cannot be combined with a structured response_format",
+            param="tool_choice",
+        )
+    return replace(req.sampling, constraint=constraint)
 
 
 def prompt_ids(req: TokenizeRequest, tokenizer: ModelTokenizer) -> list[int]:

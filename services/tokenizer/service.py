@@ -50,7 +50,13 @@ from kubesgl.service.telemetry.tracing import (
     traceparent,
 )
 from kubesgl.services.tokenizer.kv_feed import KvFeed
-from kubesgl.services.tokenizer.prompt import check_context, model_tool_format, prompt_ids, tool_format_for
+from kubesgl.services.tokenizer.prompt import (
+    check_context,
+    model_tool_format,
+    prompt_ids,
+    tool_format_for,
+    tool_sampling,
+)
 from kubesgl.services.tokenizer.request_router import RequestRouter
 from kubesgl.text.tokenizer import ModelTokenizer
 from nats.aio.client import Client
@@ -166,6 +172,7 @@ class TokenizerService:
         if req.model != self.model:
             raise ModelNotFoundError(f"The model `{req.model}` does not exist.", param="model")
         tool_format = tool_format_for(req, self.tool_format)
+        sampling = tool_sampling(req, tool_format)
         start = time.perf_counter()
         loop = asyncio.get_running_loop()
         ids = await loop.run_in_executor(self._tokenize_thread, prompt_ids, req, self.tokenizer)
@@ -174,12 +181,13 @@ class TokenizerService:
         if not candidates:
             raise ServiceUnavailableError(f"no scheduler is available for model `{self.model}`; retry later")
         check_context(req, len(ids), min(c.heartbeat.context_len for c in candidates))
-        # Sampling goes on as it came: the gateway checked it and the engine checks it again when it admits it.
+        # Sampling goes on as it came (plus the tool_choice grammar): the gateway checked it and the engine
+        # checks it again when it admits it.
         gen = GenerateRequest(
             rid=req.rid,
             gateway_id=req.gateway_id,
             input_ids=ids,
-            sampling=req.sampling,
+            sampling=sampling,
             deadline=req.deadline,
         )
         reply = await self._forward(gen, req.session_id, trace)

@@ -14,6 +14,7 @@ from kubesgl.openai_api.request_models import (
     SamplingFields,
 )
 from kubesgl.openai_api.tool_constraint import function_tools
+from kubesgl.structured.constraint import Constraint, check_constraint
 from kubesgl.values.sampling import MAX_TOP_LOGPROBS, LogprobOptions, SamplingParams
 
 MAX_N = 128  # also the cap on choices x prompts of one request
@@ -84,7 +85,8 @@ def chat_spec(req: ChatCompletionRequest) -> GenerationSpec:
 
 def _tool_use(req: ChatCompletionRequest) -> ToolUse:
     tools = req.tools or []
-    names = {t.name for t in function_tools(tools)}  # 400s naming tools[i].function.name / .parameters
+    declared = function_tools(tools)  # 400s naming tools[i].function.name / .parameters
+    names = {t.name for t in declared}
     choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
     if isinstance(choice, dict):
         fn = choice.get("function")
@@ -104,8 +106,17 @@ def _tool_use(req: ChatCompletionRequest) -> ToolUse:
             f"tool_choice must be 'none', 'auto', 'required' or a named function (got {choice!r})",
         )
         _reject_if(choice != "none" and not tools, "tool_choice", f"tool_choice {choice!r} needs tools")
+    # The schemas a grammar will enforce must compile: a 400 naming the one that does not, before admission.
+    enforced = [i for i, t in enumerate(declared) if choice == "required" or _named(choice) == t.name]
+    for i in enforced:
+        where = f"tools[{i}].function.parameters"
+        check_constraint(Constraint.json_schema(declared[i].parameters, param=where))
     parallel = True if req.parallel_tool_calls is None else req.parallel_tool_calls
     return ToolUse(tuple(tools), choice, parallel)
+
+
+def _named(choice: str | dict[str, Any]) -> str | None:
+    return choice["function"]["name"] if isinstance(choice, dict) else None
 
 
 def completion_spec(req: CompletionRequest) -> GenerationSpec:
