@@ -56,6 +56,8 @@ class LLM:
                 r["token_ids"] += out.new_token_ids
                 if out.logprobs:
                     r["logprobs"] += out.logprobs
+                if out.error is not None:
+                    r["error"] = out.error
                 if out.finished:
                     r["finish_reason"] = out.finish_reason
                     r["cached_tokens"] = out.cached_tokens

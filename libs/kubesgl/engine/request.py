@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import enum
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from kubesgl.errors import KubesglError
+from kubesgl.structured.compiler import CompiledConstraint
+from kubesgl.structured.matcher import GrammarState
 from kubesgl.values.outputs import FinishReason, TokenLogprob
 from kubesgl.values.sampling import SamplingParams
 
@@ -36,6 +40,11 @@ class Req:
     finish_reason: FinishReason | None = None
     emitted: int = 0  # output tokens already reported
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    # Structured outputs: the grammar being compiled (the request waits), then its matcher, which advances with
+    # every token the host reads back.
+    grammar_future: Future[CompiledConstraint] | None = None
+    grammar: GrammarState | None = None
+    error: KubesglError | None = None
 
     @property
     def all_ids(self) -> list[int]:

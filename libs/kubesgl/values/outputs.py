@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
+from kubesgl.errors import KubesglError
+
 
 class FinishReason(StrEnum):
     STOP = "stop"  # an EOS or stop token (the gateway also ends a choice on a stop string)
@@ -38,6 +40,7 @@ class RequestOutput:
     finished: bool = False
     finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprob] | None = None
+    error: KubesglError | None = None  # why a request ended with ABORT inside the engine (its grammar failed)
 
 
 @dataclass(frozen=True)
