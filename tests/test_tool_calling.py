@@ -493,14 +493,16 @@ def test_tool_choice_required_and_named_are_enforced_by_the_grammar(
             "seed": seed,
         }
         if stream:
-            name, args, reason = "", "", None
+            name, args, content, reason = "", "", "", None
             for chunk in client.chat.completions.create(stream=True, **kwargs):
                 for choice in chunk.choices:
                     reason = choice.finish_reason or reason
+                    content += choice.delta.content or ""
                     for tc in choice.delta.tool_calls or ():
                         assert tc.index == 0
                         name += (tc.function.name or "") if tc.function else ""
                         args += (tc.function.arguments or "") if tc.function else ""
+            assert content == "", content  # the call's markup never leaks as content
         else:
             resp = client.chat.completions.create(**kwargs)
             (call,) = resp.choices[0].message.tool_calls
