@@ -90,7 +90,7 @@ def test_completion_logprobs_int_means_top_n() -> None:
         ({"seed": "7"}, "seed"),
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-        ({"tools": [{"type": "function"}]}, "tools"),
+        ({"tools": [{"type": "function"}]}, "tools[0]"),
         ({"tool_choice": "auto"}, "tool_choice"),
         ({"response_format": {"type": "yaml"}}, "response_format.type"),
         ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
@@ -257,7 +257,10 @@ def test_malformed_json_is_a_400() -> None:
             '{"model": "m", "messages": [{"role": "user", "content": "x"}], "stop_token_ids": [99999999999999999999]}',
             "stop_token_ids.0",  # the element, as for messages.0.name
         ),
-        ('{"model": "m", "messages": [{"role": "user", "content": "x", "name": "bob"}]}', "messages.0.name"),
+        (
+            '{"model": "m", "messages": [{"role": "user", "content": "x", "name": "%s"}]}' % ("b" * 513),
+            "messages.0.name",  # accepted (passed to the template), but a short string
+        ),
     ],
 )
 def test_values_the_wire_or_sampler_cannot_carry_are_400(body: str, param: str) -> None:

@@ -221,9 +221,23 @@ class PromptKind(StrEnum):
 
 
 @dataclass(frozen=True)
+class ChatToolCall:
+    """A call an assistant turn made, as chat templates take it: `arguments` an object, not OpenAI's string."""
+
+    name: str
+    arguments: dict[str, JsonValue]
+    id: str | None = None
+
+
+@dataclass(frozen=True)
 class ChatMessage:
-    role: str  # system | user | assistant (the gateway maps OpenAI's "developer" to system)
+    """One message of a chat, normalized by the gateway (`chat_history.template_messages`) for the template."""
+
+    role: str  # system | user | assistant | tool (the gateway maps OpenAI's "developer" to system)
     content: str
+    name: str | None = None
+    tool_calls: tuple[ChatToolCall, ...] = ()  # assistant turns that called tools
+    tool_call_id: str | None = None  # tool turns: the call this result answers
 
 
 @dataclass(frozen=True)
@@ -281,6 +295,11 @@ class TokenizeRequest(Message):
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, JsonValue] | None = None
     session_id: str | None = None  # OpenAI `user` or header x-session-id: routers may keep a session together
+    # kind chat: OpenAI function tools (checked by the gateway), rendered by the template unless tool_choice
+    # is "none"; tool_choice "required" or {"type": "function", ...} is enforced by the tokenizer's grammar.
+    tools: tuple[JsonValue, ...] = ()
+    tool_choice: JsonValue = None
+    parallel_tool_calls: bool = True
 
 
 @dataclass
@@ -301,6 +320,8 @@ class Admitted(Message):
     rid: str
     instance_id: str
     prompt_tokens: int
+    # Set by the tokenizer when the output is to be parsed for tool calls: the `tool_calls` format's name.
+    tool_format: str | None = None
 
 
 @dataclass

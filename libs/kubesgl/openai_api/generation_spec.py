@@ -5,7 +5,8 @@ naming the field before the request is admitted anywhere."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from kubesgl.errors import InvalidRequestError
 from kubesgl.openai_api.request_models import (
@@ -15,6 +16,7 @@ from kubesgl.openai_api.request_models import (
     ResponseFormat,
     SamplingFields,
 )
+from kubesgl.openai_api.tool_constraint import function_tools
 from kubesgl.structured.constraint import check_constraint
 from kubesgl.values.constraint import Constraint
 from kubesgl.values.sampling import MAX_TOP_LOGPROBS, LogprobOptions, SamplingParams
@@ -23,6 +25,16 @@ MAX_N = 128  # also the cap on choices x prompts of one request
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256  # hold-back scans are quadratic in a stop string's length
 _INT64 = 2**63  # the wire (msgpack) carries 64-bit integers
+
+
+@dataclass(frozen=True)
+class ToolUse:
+    """A chat request's tools, checked: function tools, and `choice` one of "none", "auto", "required" or
+    {"type": "function", "function": {"name": ...}} naming one of them ("auto" when tools came without it)."""
+
+    tools: tuple[dict[str, Any], ...] = ()
+    choice: str | dict[str, Any] = "none"
+    parallel: bool = True
 
 
 @dataclass(frozen=True)
@@ -41,6 +53,7 @@ class GenerationSpec:
     include_usage: bool = False
     logprobs: bool = False
     echo: bool = False
+    tool_use: ToolUse = field(default_factory=ToolUse)
 
     def params_for_choice(self, index: int) -> SamplingParams:
         # Distinct seeds keep n seeded samples different yet reproducible; choice 0 keeps the request's seed.
@@ -50,12 +63,11 @@ class GenerationSpec:
 
 
 def chat_spec(req: ChatCompletionRequest) -> GenerationSpec:
-    for name in ("tools", "functions"):
-        _reject_if(bool(getattr(req, name)), name, f"{name} (function calling) is not supported")
-    for name in ("tool_choice", "function_call"):
-        _reject_if(getattr(req, name) not in (None, "none"), name, f"{name} is not supported")
+    _reject_if(bool(req.functions), "functions", "functions is deprecated by OpenAI; use tools")
     _reject_if(
-        req.parallel_tool_calls is not None, "parallel_tool_calls", "parallel_tool_calls is not supported"
+        req.function_call not in (None, "none"),
+        "function_call",
+        "function_call is deprecated; use tool_choice",
     )
     _reject_if(
         req.top_logprobs is not None and not req.logprobs,
@@ -71,7 +83,43 @@ def chat_spec(req: ChatCompletionRequest) -> GenerationSpec:
     )
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     top = req.top_logprobs or 0
-    return _spec(req, max_tokens, bool(req.logprobs), top, "top_logprobs")
+    return replace(_spec(req, max_tokens, bool(req.logprobs), top, "top_logprobs"), tool_use=_tool_use(req))
+
+
+def _tool_use(req: ChatCompletionRequest) -> ToolUse:
+    tools = req.tools or []
+    declared = function_tools(tools)  # 400s naming tools[i].function.name / .parameters
+    names = {t.name for t in declared}
+    choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
+    if isinstance(choice, dict):
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        _reject_if(
+            choice.get("type") != "function"
+            or not isinstance(name, str)
+            or set(choice) != {"type", "function"},
+            "tool_choice",
+            "a named tool_choice is {'type': 'function', 'function': {'name': ...}}",
+        )
+        _reject_if(name not in names, "tool_choice", f"tool_choice names {name!r}, which is not in tools")
+    else:
+        _reject_if(
+            choice not in ("none", "auto", "required"),
+            "tool_choice",
+            f"tool_choice must be 'none', 'auto', 'required' or a named function (got {choice!r})",
+        )
+        _reject_if(choice != "none" and not tools, "tool_choice", f"tool_choice {choice!r} needs tools")
+    # The schemas a grammar will enforce must compile: a 400 naming the one that does not, before admission.
+    enforced = [i for i, t in enumerate(declared) if choice == "required" or _named(choice) == t.name]
+    for i in enforced:
+        where = f"tools[{i}].function.parameters"
+        check_constraint(Constraint.json_schema(declared[i].parameters, param=where))
+    parallel = True if req.parallel_tool_calls is None else req.parallel_tool_calls
+    return ToolUse(tuple(tools), choice, parallel)
+
+
+def _named(choice: str | dict[str, Any]) -> str | None:
+    return choice["function"]["name"] if isinstance(choice, dict) else None
 
 
 def completion_spec(req: CompletionRequest) -> GenerationSpec:
@@ -206,14 +254,14 @@ def request_constraint(
             found.append(Constraint("json_object", param="response_format.json_schema"))
         else:
             found.append(Constraint.json_schema(fmt.schema_, param="response_format.json_schema.schema"))
-    for field, value in extensions:
+    for name, value in extensions:
         if value is None:
             continue
-        kind = field.rsplit(".", 1)[-1]
+        kind = name.rsplit(".", 1)[-1]
         found.append(
-            Constraint.json_schema(value, param=field)
+            Constraint.json_schema(value, param=name)
             if kind == "json_schema"
-            else Constraint(kind, value, field)  # type: ignore[arg-type]
+            else Constraint(kind, value, name)  # type: ignore[arg-type]
         )
     if not found:
         return None

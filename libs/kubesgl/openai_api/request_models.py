@@ -97,9 +97,26 @@ class TextPart(StrictModel):
     text: str
 
 
+class FunctionCall(StrictModel):
+    name: ShortStr
+    arguments: str  # JSON text, as OpenAI sends it back (chat_history parses it for the template)
+
+
+class AssistantToolCall(StrictModel):
+    id: ShortStr
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(StrictModel):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    """`content` may be null only on an assistant turn (one that called tools); a `tool` turn names the call it
+    answers by `tool_call_id`. Those rules, and the arguments being JSON, are `chat_history`'s to check."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: ShortStr | None = None
+    tool_calls: list[AssistantToolCall] | None = None
+    tool_call_id: ShortStr | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
