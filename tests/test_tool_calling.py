@@ -408,7 +408,10 @@ def test_text_without_calls_is_content_and_a_cut_off_call_keeps_length() -> None
     content, calls, reasons = _fold(_stream(QWEN25, _pieces(plain, 1), FinishReason.STOP))
     assert (content, calls, reasons[-1]) == (plain, [], "stop")
     whole = _whole(QWEN25, plain, FinishReason.STOP)
-    assert (whole["message"], whole["finish_reason"]) == ({"role": "assistant", "content": plain, "refusal": None}, "stop")
+    assert (whole["message"], whole["finish_reason"]) == (
+        {"role": "assistant", "content": plain, "refusal": None},
+        "stop",
+    )
     # No format (no tools, or tool_choice "none"): markup is only text.
     raw = OUTPUTS["qwen25"][1]
     assert _whole(None, raw, FinishReason.STOP)["message"]["content"] == raw
