@@ -13,9 +13,11 @@ moves while any problem is left: a test file or helper the layout does not list 
 from __future__ import annotations
 
 import argparse
+import io
 import re
 import subprocess
 import sys
+import tokenize
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,10 +114,25 @@ def _walk_levels(match: re.Match[str]) -> int:
     return len(match.group(2).split(".parent")) - 1 if match.group(3) is None else int(match.group(3)) + 1
 
 
+def _string_spans(text: str) -> list[tuple[int, int]]:
+    """Offsets of the string literals in Python source (rewrites leave text inside them alone)."""
+    starts = [0]
+    for line in text.splitlines(keepends=True):
+        starts.append(starts[-1] + len(line))
+    return [
+        (starts[tok.start[0] - 1] + tok.start[1], starts[tok.end[0] - 1] + tok.end[1])
+        for tok in tokenize.generate_tokens(io.StringIO(text).readline)
+        if tok.type == tokenize.STRING or tok.type == getattr(tokenize, "FSTRING_MIDDLE", -1)
+    ]
+
+
 def deepen_file_walks(text: str, extra: int) -> str:
     """`Path(__file__)...parent` walks of a file moved `extra` directories deeper, still reaching their target."""
+    strings = _string_spans(text)
 
     def walk(match: re.Match[str]) -> str:
+        if any(lo <= match.start() < hi for lo, hi in strings):
+            return match.group(0)
         levels = _walk_levels(match) + extra
         tail = ".parent" if levels == 1 else f".parents[{levels - 1}]"
         return f"Path(__file__){match.group(1) or ''}{tail}"
@@ -124,13 +141,19 @@ def deepen_file_walks(text: str, extra: int) -> str:
 
 
 def unknown_file_uses(text: str) -> list[str]:
-    """Uses of `__file__` that deepen_file_walks cannot adjust (a move would silently break them)."""
-    lines = []
-    for line in text.splitlines():
-        rest = _FILE_WALK.sub("", line)
-        if "__file__" in rest:
-            lines.append(line.strip())
-    return lines
+    """Lines using `__file__` (in code, not in strings) other than in walks deepen_file_walks adjusts or
+    `Path(__file__).name`: a move would silently break them."""
+    uses: dict[int, int] = {}
+    for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+        if tok.type == tokenize.NAME and tok.string == "__file__":
+            uses[tok.start[0]] = uses.get(tok.start[0], 0) + 1
+    lines = text.splitlines()
+    out = []
+    for number, count in uses.items():
+        line = lines[number - 1]
+        if count > len(_FILE_WALK.findall(line)) + line.count("Path(__file__).name"):
+            out.append(line.strip())
+    return out
 
 
 def import_rewrites(helpers: tuple[str, ...]) -> list[tuple[re.Pattern[str], str]]:

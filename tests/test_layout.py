@@ -37,7 +37,7 @@ def test_every_test_file_is_listed_once_and_in_its_place() -> None:
 
 
 def test_this_file_carries_its_groups_marker(request: pytest.FixtureRequest) -> None:
-    group = load_layout().group_of()[Path(__file__).name]
+    group = load_layout().group_of()[request.path.name]
     assert request.node.get_closest_marker(group.split("/")[0]) is not None
 
 
@@ -95,8 +95,13 @@ def test_moved_file_walks_still_reach_their_directory(
     )
 
 
+def test_walks_inside_strings_stay_as_written() -> None:
+    text = 'DOC = "Path(__file__).parent"\nHERE = Path(__file__).parent\n'
+    assert deepen_file_walks(text, 1) == 'DOC = "Path(__file__).parent"\nHERE = Path(__file__).parents[1]\n'
+
+
 def test_file_uses_a_move_cannot_adjust_are_reported() -> None:
-    text = "HERE = os.path.dirname(__file__)\nROOT = Path(__file__).resolve().parents[1]\n"
+    text = "HERE = os.path.dirname(__file__)\nROOT = Path(__file__).resolve().parents[1]\nNAME = Path(__file__).name\n"
     assert unknown_file_uses(text) == ["HERE = os.path.dirname(__file__)"]
 
 
