@@ -157,10 +157,13 @@ def unknown_file_uses(text: str) -> list[str]:
 
 
 def import_rewrites(helpers: tuple[str, ...]) -> list[tuple[re.Pattern[str], str]]:
+    """Helper imports (bare, or through the `tests` namespace) -> `support.<helper>`; `tests.conftest` ->
+    `conftest` (one module, not a second copy of it under another name)."""
     names = "|".join(map(re.escape, helpers))
     return [
-        (re.compile(rf"^(\s*)from ({names}) import\b", re.M), rf"\1from {SUPPORT}.\2 import"),
+        (re.compile(rf"^(\s*)from (?:tests\.)?({names}) import\b", re.M), rf"\1from {SUPPORT}.\2 import"),
         (re.compile(rf"^(\s*)import ({names})\s*$", re.M), rf"\1from {SUPPORT} import \2"),
+        (re.compile(r"^(\s*)from tests\.conftest import\b", re.M), r"\1from conftest import"),
     ]
 
 

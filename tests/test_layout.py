@@ -106,10 +106,14 @@ def test_file_uses_a_move_cannot_adjust_are_reported() -> None:
 
 
 def test_helper_imports_point_into_support() -> None:
-    text = "from bus_client import BusClient\n    from model_helpers import X\nimport local_stack\nfrom bus_clientx import Y\n"
+    text = (
+        "from bus_client import BusClient\n    from model_helpers import X\nimport local_stack\n"
+        "from bus_clientx import Y\nfrom tests.model_helpers import Z\nfrom tests.conftest import StackFactory\n"
+    )
     for pattern, repl in import_rewrites(("bus_client", "model_helpers", "local_stack")):
         text = pattern.sub(repl, text)
     assert text == (
         "from support.bus_client import BusClient\n    from support.model_helpers import X\n"
         "from support import local_stack\nfrom bus_clientx import Y\n"
+        "from support.model_helpers import Z\nfrom conftest import StackFactory\n"
     )
