@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install up test fuzz lint fmt clean loadtest-k6 loadtest-locust
+.PHONY: install up test test-fast fuzz lint fmt clean loadtest-k6 loadtest-locust
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -28,8 +28,13 @@ install: $(STAMP)
 up: $(STAMP)
 	$(BIN)/kubesgl up $(ARGS)
 
+# Everything, as CI runs it (.ci/run).
 test: $(STAMP)
 	bash tests/run.sh $(PYTEST_ARGS)
+
+# The unit groups only (tests/layout.toml's unit/*, not `slow`): MEASURED on 2 cores.
+test-fast: $(STAMP)
+	bash tests/run.sh --fast $(PYTEST_ARGS)
 
 # Open-ended fuzzing of a live stack with a fresh seed (printed: `make fuzz SEED=<n>` replays a failure).
 FUZZ_EXAMPLES ?= 5000
