@@ -88,6 +88,13 @@ case "$mode" in
     timeout 80 $B --model Qwen3-0.6B --enable-mixed-chunk | tail -1
     timeout 80 $B --model Qwen3-0.6B | tail -1
     ;;
+  mixedbench)  # the offline benchmark with mixed chunk on and off, same call (no tests, no trace: ~2 min)
+    timeout 80 $B --model Qwen3-0.6B --enable-mixed-chunk | tail -1
+    timeout 80 $B --model Qwen3-0.6B | tail -1
+    ;;
+  peers)  # Mini-SGLang on the same workload (benchmark/peers.sh; .gpu/minisgl carried) -> $OUT/peers.jsonl
+    bash benchmark/peers.sh
+    ;;
   cache-save)  # the compile caches, for the next call's .gpu/ (each file must stay under 16 MB to come back)
     [ -d "$HOME/.cache/flashinfer" ] && tar czf "$OUT/cache-flashinfer.tgz" -C "$HOME" .cache/flashinfer
     [ -d "$HOME/.triton/cache" ] && tar czf "$OUT/cache-triton.tgz" -C "$HOME" .triton/cache

@@ -2,7 +2,8 @@
 tests/openai_spec_extract.py) as a test harness: validators for response bodies and SSE chunks, and a
 schemathesis schema over those request schemas that generates requests as OpenAI's spec defines them.
 
-OpenAPI 3.1's `nullable: true` (still in OpenAI's file beside `type: "null"`) is read as "or null"."""
+OpenAPI 3.1's `nullable: true` (still in OpenAI's file beside `type: "null"`) is read as "or null". Where the
+spec and OpenAI's API disagree, the API's behaviour is written in, one named function each."""
 
 from __future__ import annotations
 
@@ -56,8 +57,18 @@ def _nullable_to_null(node: Any) -> Any:
 def _defs() -> dict[str, Any]:
     text = json.dumps(spec()["schemas"]).replace(_REF, "#/$defs/")
     defs = _nullable_to_null(json.loads(text))
+    _echo_first_token_null(defs["CreateCompletionResponse"])
     defs["CompletionStreamChunk"] = _completion_chunk(defs["CreateCompletionResponse"])
     return defs
+
+
+def _echo_first_token_null(response: dict[str, Any]) -> None:
+    """With `echo`, OpenAI's API gives the prompt's first token a null logprob and null alternatives (nothing
+    precedes it); the spec's arrays of numbers and objects say otherwise. Only that one entry may be null."""
+    logprobs = response["properties"]["choices"]["items"]["properties"]["logprobs"]["anyOf"][0]
+    for key in ("token_logprobs", "top_logprobs"):
+        array = logprobs["properties"][key]
+        array["prefixItems"] = [{"anyOf": [array["items"], {"type": "null"}]}]
 
 
 def _completion_chunk(response: dict[str, Any]) -> dict[str, Any]:

@@ -340,6 +340,16 @@ def test_auto_is_torch_on_cpu() -> None:
     assert not supports_cuda_graph(make("auto", CPU_SHAPES[0], 1))
 
 
+def test_auto_may_resolve_to_a_hybrid(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA `auto` is 'flashinfer,triton': the resolved name goes through the 'prefill,decode' parse (a
+    hybrid resolved after that parse was refused as unknown on the H200). Here the resolver names the one
+    pair that builds on a CPU, which the parse folds into one backend."""
+    from kubesgl.attention import registry
+
+    monkeypatch.setattr(registry, "resolve_auto", lambda device: "torch, torch")
+    assert isinstance(make("auto", CPU_SHAPES[0], 1), TorchAttention)
+
+
 @pytest.mark.parametrize("name", ["flashinfer", "fa3"])
 def test_gpu_only_backend_on_cpu_says_what_is_missing(name: str) -> None:
     with pytest.raises(BackendUnavailableError, match=f"attention backend '{name}' needs"):

@@ -223,8 +223,8 @@ def test_logprobs_are_log_softmax_of_the_model(model: str) -> None:
     [
         ([], SamplingParams(), InvalidRequestError),
         ([1] * 5000, SamplingParams(), ContextLengthError),
-        ([1, 2], SamplingParams(max_tokens=0), InvalidRequestError),
-        ([1, 2], SamplingParams(top_p=0.0), InvalidRequestError),
+        ([1, 2], SamplingParams(max_tokens=-1), InvalidRequestError),
+        ([1, 2], SamplingParams(top_p=-0.1), InvalidRequestError),
         ([1, 2], SamplingParams(top_p=1.5), InvalidRequestError),
         ([1, 2], SamplingParams(temperature=-1), InvalidRequestError),
         ([1, 10**9], SamplingParams(), InvalidRequestError),

@@ -196,6 +196,34 @@ def test_logprobs_match_the_offline_llm(client, offline, tokenizer) -> None:
     assert len(c.choices[0].logprobs.token_logprobs) == 4 and len(c.choices[0].logprobs.top_logprobs[0]) == 1
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_echo_returns_the_prompt_with_the_offline_prompt_logprobs(client, offline, tokenizer, stream) -> None:
+    """echo + logprobs: the prompt (as sent, or decoded from token ids) and its tokens' logprobs, the first
+    null, then the completion; equal to the offline LLM's prompt logprobs, streamed or whole."""
+    ids = tokenizer.encode(PROMPTS[1])
+    ref = _greedy(offline, ids, max_tokens=3, logprobs=LogprobOptions(top=2, prompt_start=0))
+    for prompt in (PROMPTS[1], ids):
+        body = {"prompt": prompt, "max_tokens": 3, "temperature": 0, "echo": True, "logprobs": 2}
+        r = client.completions.create(model=MODEL, stream=stream, **body)
+        choices = [c.choices[0] for c in r] if stream else r.choices
+        text = "".join(c.text for c in choices)
+        lps = [
+            e
+            for c in choices
+            if c.logprobs
+            for e in zip(c.logprobs.tokens, c.logprobs.token_logprobs, strict=True)
+        ]
+        assert text == PROMPTS[1] + tokenizer.decode(ref["token_ids"])
+        assert [t for t, _ in lps] == [tokenizer.token_text(t) for t in ids + ref["token_ids"]]
+        want = [e.logprob for e in ref["prompt_logprobs"] + ref["logprobs"]]
+        assert lps[0][1] is None and want[0] is None
+        assert [lp for _, lp in lps[1:]] == pytest.approx(want[1:], abs=1e-4)
+    # max_tokens 0: the prompt alone (what lm-evaluation-harness's loglikelihood asks for).
+    only = client.completions.create(model=MODEL, prompt=ids, max_tokens=0, echo=True, logprobs=0)
+    assert only.choices[0].text == PROMPTS[1] and only.usage.completion_tokens == 0
+    assert len(only.choices[0].logprobs.token_logprobs) == len(ids)
+
+
 def test_a_repeated_prompt_reports_cached_tokens(client) -> None:
     messages = [{"role": "user", "content": "a prompt long enough to be worth caching " * 3}]
     client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)
@@ -373,6 +401,15 @@ def test_native_generate_models_ready_and_metrics(url, offline, tokenizer) -> No
             r["meta_info"]["prompt_tokens"] == len(ids)
             and r["meta_info"]["finish_reason"]["type"] == "length"
         )
+        # SGLang's logprob_start_len: the input tokens' logprobs from there on, as the offline engine has them.
+        scored = _greedy(offline, ids, max_tokens=1, logprobs=LogprobOptions(top=1, prompt_start=1))
+        lp_body = {**body, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+        lp_body |= {"return_logprob": True, "top_logprobs_num": 1, "logprob_start_len": 1}
+        meta = http.post("/generate", json=lp_body).json()["meta_info"]
+        assert [e[1] for e in meta["input_token_logprobs"]] == ids[1:]
+        want = [e.logprob for e in scored["prompt_logprobs"]]
+        assert [e[0] for e in meta["input_token_logprobs"]] == pytest.approx(want, abs=1e-4)
+        assert len(meta["input_top_logprobs"][0]) == 1 and len(meta["output_token_logprobs"]) == 1
         with http.stream("POST", "/generate", json={**body, "stream": True}) as s:
             events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
         assert events[-1] == "[DONE]" and json.loads(events[-2])["text"] == r["text"]

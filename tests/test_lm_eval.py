@@ -1,6 +1,7 @@
 """lm-evaluation-harness's `local-completions` model runs a loglikelihood task (tests/data/lm_eval: a tiny
 synthetic JSONL dataset, no download) against the demo stack; every per-document loglikelihood must equal
-the one computed directly from the checkpoint with transformers.
+the offline engine's prompt logprobs (kubesgl LLM, the same checkpoint) and the one computed directly from
+the checkpoint with transformers.
 
 lm_eval (0.4.13) asks for a loglikelihood with one request per document to /v1/completions:
     {"model": "demo", "prompt": [[<context ids> + <continuation ids>]], "temperature": 0, "max_tokens": 1,
@@ -31,11 +32,6 @@ def _reference_loglikelihood(model_dir: str, context: list[int], continuation: l
     return float(sum(logprobs[n - 1 + i, t] for i, t in enumerate(continuation)))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 13: /v1/completions refuses echo (400 'echo is not supported'), so lm_eval gets no prompt "
-    "logprobs; flips once echo + logprobs return prompt-token logprobs",
-)
 def test_lm_eval_loglikelihood_matches_the_checkpoint(
     stack_factory: StackFactory, demo_model_dir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -70,8 +66,25 @@ def test_lm_eval_loglikelihood_matches_the_checkpoint(
         stack.stop(timeout_s=10)
     samples = out["samples"]["kubesgl_synthetic_ll"]
     assert len(samples) == len((TASKS / "synthetic.jsonl").read_text().splitlines())
-    for s in samples:
-        context, continuation = s["arguments"][0]
-        ctx_ids, cont_ids = lm._encode_pair(context, continuation)
-        served = s["resps"][0][0][0]
+    pairs = [lm._encode_pair(*s["arguments"][0]) for s in samples]
+    offline = _offline_loglikelihoods(demo_model_dir, pairs)
+    for s, (ctx_ids, cont_ids), engine in zip(samples, pairs, offline, strict=True):
+        served, greedy = s["resps"][0][0]
+        assert served == pytest.approx(engine, abs=1e-5)
         assert served == pytest.approx(_reference_loglikelihood(demo_model_dir, ctx_ids, cont_ids), abs=1e-3)
+        assert isinstance(greedy, bool)
+    assert out["results"]["kubesgl_synthetic_ll"]["perplexity,none"] > 1
+
+
+def _offline_loglikelihoods(model_dir: str, pairs: list[tuple[list[int], list[int]]]) -> list[float]:
+    """The continuation's summed prompt logprobs from our engine run directly (no services)."""
+    from kubesgl import LLM, SamplingParams
+    from kubesgl.values.sampling import LogprobOptions
+
+    params = SamplingParams(max_tokens=0, logprobs=LogprobOptions(top=1, prompt_start=0))
+    with LLM(model_dir, device="cpu") as llm:
+        outs = llm.generate([c + t for c, t in pairs], params)
+    return [
+        sum(e.logprob for e in out["prompt_logprobs"][len(c) :])
+        for out, (c, _) in zip(outs, pairs, strict=True)
+    ]

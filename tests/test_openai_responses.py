@@ -43,7 +43,11 @@ def test_usage_counts_each_prompt_once_and_sums_completions() -> None:
 def test_chat_response_shape_with_logprobs() -> None:
     body = chat_response("chatcmpl-1", 1, "m", [_choice(0, logprobs=LP)])
     c = body["choices"][0]
-    assert body["object"] == "chat.completion" and c["message"] == {"role": "assistant", "content": "hello"}
+    assert body["object"] == "chat.completion" and c["message"] == {
+        "role": "assistant",
+        "content": "hello",
+        "refusal": None,
+    }
     assert [e["token"] for e in c["logprobs"]["content"]] == ["he", "llo"]
     assert c["logprobs"]["content"][0]["top_logprobs"][0] == {"token": "he", "logprob": -0.1, "bytes": None}
 

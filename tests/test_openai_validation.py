@@ -85,7 +85,9 @@ def test_completion_logprobs_int_means_top_n() -> None:
         ({"max_tokens": 0}, "max_tokens"),
         ({"temperature": -1.0}, "temperature"),
         ({"n": 0}, "n"),
-        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"max_tokens": 7.5}, "max_tokens"),
+        ({"seed": "7"}, "seed"),
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"tools": [{"type": "function"}]}, "tools"),
@@ -113,7 +115,7 @@ def test_chat_rejects_with_400_naming_the_field(fields: dict[str, Any], param: s
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"echo": True}, "echo"),
+        ({"max_tokens": -1}, "max_tokens"),
         ({"suffix": "x"}, "suffix"),
         ({"logprobs": 30}, "logprobs"),
         ({"prompt": []}, "prompt"),
@@ -126,6 +128,49 @@ def test_completion_rejects_with_400_naming_the_field(fields: dict[str, Any], pa
         return spec
 
     assert _param_of_400(run, **fields) == param
+
+
+def test_null_means_the_default() -> None:
+    nulls = {"temperature": None, "top_p": None, "n": None, "stream": None, "stop": None, "seed": None}
+    assert _chat(**nulls, logprobs=None, top_logprobs=None, max_tokens=None) == _chat()
+    assert _completion(**nulls, logprobs=None, echo=None, best_of=None) == _completion()
+    assert completion_prompts(None)[0].text == "<|endoftext|>"  # OpenAI's default prompt
+
+
+def test_integer_valued_floats_are_integers_but_not_strings_or_fractions() -> None:
+    spec = _chat(max_tokens=3.0, n=2.0, seed=5.0, top_logprobs=1.0, logprobs=True)
+    assert (spec.params.max_tokens, spec.n, spec.params.seed, spec.params.logprobs) == (
+        3,
+        2,
+        5,
+        LogprobOptions(1),
+    )
+    assert completion_prompts(CompletionRequest.model_validate({"model": "m", "prompt": [1.0, 2]}).prompt)[
+        0
+    ].input_ids == (1, 2)
+    assert _param_of_400(_chat, n=2.5) == "n"
+    assert _param_of_400(_chat, max_tokens="3") == "max_tokens"
+
+
+def test_a_negative_int64_seed_maps_into_the_engines_seeds() -> None:
+    assert _chat(seed=-5).params.seed == 2**63 - 5
+    assert _chat(seed=-(2**63)).params.seed == 0
+    assert _chat(seed=-5).params_for_choice(1).seed == 2**63 - 4
+
+
+def test_top_p_0_is_greedy_and_obfuscation_is_accepted() -> None:
+    assert _chat(top_p=0).params.greedy and not _chat(top_p=0.1).params.greedy
+    opts = {"include_obfuscation": True, "include_usage": None}
+    assert _chat(stream=True, stream_options=opts).stream
+
+
+def test_echo_asks_the_engine_for_the_prompt_and_max_tokens_0_for_nothing_more() -> None:
+    spec = _completion(echo=True, max_tokens=0)
+    assert spec.echo and not spec.logprobs and spec.params.max_tokens == 0
+    assert spec.params.logprobs == LogprobOptions(top=0, prompt_start=0)
+    with_lp = _completion(echo=True, logprobs=2)
+    assert with_lp.logprobs and with_lp.params.logprobs == LogprobOptions(top=2, prompt_start=0)
+    assert _param_of_400(_chat, max_tokens=0) == "max_tokens"  # chat generates at least one token
 
 
 def test_prompt_shapes() -> None:
@@ -160,6 +205,16 @@ def test_native_request_maps_sglang_names() -> None:
     assert spec.params.max_tokens == 4 and spec.params.temperature == 0 and spec.stop == ("y",)
     with pytest.raises(InvalidRequestError):
         native_spec(NativeGenerateRequest.model_validate({"sampling_params": {}}))
+    scored = native_spec(
+        NativeGenerateRequest.model_validate(
+            {"input_ids": [1, 2], "return_logprob": True, "top_logprobs_num": 2, "logprob_start_len": 1}
+        )
+    )
+    assert scored.params.logprobs == LogprobOptions(top=2, prompt_start=1) and scored.logprobs
+    for bad in ({"logprob_start_len": 0}, {"return_logprob": True, "logprob_start_len": -2}):
+        assert _param_of_400(
+            lambda **f: native_spec(NativeGenerateRequest.model_validate(f)), text="x", **bad
+        ) == ("logprob_start_len")
 
 
 def test_malformed_json_is_a_400() -> None:

@@ -64,6 +64,8 @@ def _samples() -> list[p.Message]:
             token_ids=[7],
             finished=True,
             finish_reason=p.FinishReason.STOP,
+            prompt_logprobs=[p.TokenLogprob(1, None, token="a"), p.TokenLogprob(2, -3.0, token="b")],
+            prompt_text="ab",
         ),
         p.SchedulerStats(
             instance_id="sched-0",
@@ -73,6 +75,24 @@ def _samples() -> list[p.Message]:
             available_pages=10,
             total_pages=10,
             cached_prefix_pages=0,
+        ),
+        # Several logprobs in one list (a list of dataclasses once encoded only when it held exactly one).
+        p.TokenDelta(
+            rid="r3",
+            gateway_id="gw-a",
+            instance_id="sched-0",
+            seq=0,
+            tokens=[5, 6],
+            new_from=0,
+            logprobs=[p.TokenLogprob(5, -0.5), p.TokenLogprob(6, -1.5, ((6, -1.5),))],
+            prompt_logprobs=[p.TokenLogprob(1, None), p.TokenLogprob(2, -3.0), p.TokenLogprob(3, -0.25)],
+        ),
+        p.GenerateRequest(
+            rid="r4",
+            gateway_id="gw-a",
+            input_ids=[1, 2, 3],
+            sampling=SamplingParams(max_tokens=0, logprobs=LogprobOptions(top=1, prompt_start=0)),
+            deadline=1.0,
         ),
     ]
 

@@ -182,7 +182,7 @@ def _encoder(tp: Any) -> _Encode | None:
         encs = [_encoder(a) for a in args if a is not Ellipsis]
         if all(e is None for e in encs):
             return None
-        if len(args) == 2 and args[1] is Ellipsis:
+        if origin is list or (len(args) == 2 and args[1] is Ellipsis):  # list[X] has one arg: not a pair
             item = encs[0]
             assert item is not None
             return lambda v: [item(x) for x in v]

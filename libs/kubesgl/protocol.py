@@ -380,8 +380,9 @@ class TokenDelta(Message):
 
     `tokens[new_from:]` are new; the ones before, up to text.incremental.DETOK_CONTEXT_TOKENS already sent, are
     context that lets any replica decode without per-request state.
-    `logprobs` has one TokenLogprob (ids only) per new token when requested. `traceparent` names the request's
-    decode span (a batch's headers cannot carry one per request).
+    `logprobs` has one TokenLogprob (ids only) per new token when requested; `prompt_logprobs` (first delta
+    only) the prompt tokens' from LogprobOptions.prompt_start on. `traceparent` names the request's decode span
+    (a batch's headers cannot carry one per request).
     """
 
     rid: str
@@ -398,6 +399,7 @@ class TokenDelta(Message):
     logprobs: list[TokenLogprob] | None = None
     error: ErrorInfo | None = None
     traceparent: str | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 # msgpack framing of a TokenDeltaBatch around its entries: the map, its keys and the array header, and per
@@ -447,8 +449,9 @@ class BatchAck(Message):
 
 @dataclass
 class TextDelta(Message):
-    """detokenizer (or any stage reporting an error) -> the gateway holding the client; `logprobs` are the
-    TokenDelta's with their text filled in."""
+    """detokenizer (or any stage reporting an error) -> the gateway holding the client; `logprobs` and
+    `prompt_logprobs` are the TokenDelta's with their text filled in, `prompt_text` the decoded text of the
+    prompt tokens those cover (what echo returns for a prompt given as token ids)."""
 
     rid: str
     instance_id: str
@@ -462,6 +465,8 @@ class TextDelta(Message):
     completion_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
     error: ErrorInfo | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
+    prompt_text: str | None = None
 
 
 @dataclass

@@ -107,9 +107,13 @@ class DetokenizerService:
         try:
             text = delta_text(self.tokenizer.decode, delta.tokens, delta.new_from, delta.finished)
             logprobs = [self._logprob(lp) for lp in delta.logprobs] if delta.logprobs is not None else None
+            prompt_logprobs, prompt_text = None, None
+            if delta.prompt_logprobs is not None:
+                prompt_logprobs = [self._logprob(lp) for lp in delta.prompt_logprobs]
+                prompt_text = self.tokenizer.decode([lp.token_id for lp in delta.prompt_logprobs])
         except Exception as e:  # a token id the tokenizer cannot decode must not crash the replica
             log.error("cannot decode delta %s of %s: %s", delta.seq, delta.rid, e)
-            text, logprobs = "", None
+            text, logprobs, prompt_logprobs, prompt_text = "", None, None, None
             error = ErrorInfo.of(KubesglError(f"detokenization failed: {e}"))
         return TextDelta(
             rid=delta.rid,
@@ -126,6 +130,8 @@ class DetokenizerService:
             completion_tokens=delta.completion_tokens,
             logprobs=logprobs,
             error=error,
+            prompt_logprobs=prompt_logprobs,
+            prompt_text=prompt_text,
         )
 
     def _logprob(self, lp: TokenLogprob) -> TokenLogprob:

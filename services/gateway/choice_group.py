@@ -74,7 +74,7 @@ class ChoiceGroup:
         """Runs every choice to its end (the non-streaming path)."""
         results = {c.index: ChoiceResult(c.index, "", None) for c in self.choices}
         for c in self.choices:
-            if c.request.sampling.logprobs is not None:
+            if c.logprobs:
                 results[c.index].logprobs = []
         async for event in self.events():
             r = results[event.index]
@@ -82,6 +82,8 @@ class ChoiceGroup:
             r.token_ids.extend(event.token_ids)
             if r.logprobs is not None and event.logprobs:
                 r.logprobs.extend(event.logprobs)
+            if event.prompt_logprobs is not None:
+                r.prompt_logprobs = event.prompt_logprobs
             r.prompt_tokens = max(r.prompt_tokens, event.prompt_tokens)
             r.cached_tokens = max(r.cached_tokens, event.cached_tokens)
             r.completion_tokens = max(r.completion_tokens, event.completion_tokens)

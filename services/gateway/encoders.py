@@ -44,6 +44,8 @@ class _Progress:
         r.finish_reason, r.matched_stop = event.finish_reason, event.matched_stop
         if event.logprobs is not None:
             r.logprobs = [*(r.logprobs or []), *event.logprobs]
+        if event.prompt_logprobs is not None:
+            r.prompt_logprobs = event.prompt_logprobs
         return r
 
     def ordered(self) -> list[ChoiceResult]:

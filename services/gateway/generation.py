@@ -32,6 +32,7 @@ class ChoiceEvent:
     completion_tokens: int = 0
     finish_reason: FinishReason | None = None
     matched_stop: str | int | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None  # asked for without echo (native logprob_start_len)
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,8 @@ class ChoiceGeneration:
     stops: tuple[str, ...]
     limits: Limits
     traceparent: str | None = None
+    logprobs: bool = False  # the answer shows logprobs
+    echo: bool = False  # the first event starts with the prompt (and its logprobs)
     admitted: Admitted | None = None
     _stream: RequestStream | None = field(default=None, repr=False)
     _finished: bool = field(default=False, repr=False)
@@ -65,7 +68,7 @@ class ChoiceGeneration:
 
     async def events(self) -> AsyncIterator[ChoiceEvent]:
         assert self._stream is not None, "admit() first"
-        want_logprobs = self.request.sampling.logprobs is not None
+        want_logprobs = self.logprobs
         stop_filter: StopStringFilter[TokenLogprob] = StopStringFilter(self.stops)
         tokens: list[int] = []
         last_output = time.monotonic()
@@ -92,6 +95,10 @@ class ChoiceGeneration:
                 delta.cached_tokens,
                 delta.completion_tokens,
             )
+            if self.echo and delta.prompt_logprobs is not None:  # the first delta carries the prompt
+                self._echo(event, delta)
+            elif want_logprobs:
+                event.prompt_logprobs = delta.prompt_logprobs
             if stop_filter.stopped:
                 # The scheduler is still generating: close() aborts it.
                 event.finish_reason, event.matched_stop = FinishReason.STOP, stop_filter.matched
@@ -101,7 +108,7 @@ class ChoiceGeneration:
                 tail = stop_filter.flush()
                 event.text += tail.text
                 if want_logprobs:
-                    event.logprobs = [*released.items, *tail.items]
+                    event.logprobs = [*(event.logprobs or ()), *tail.items]
                 event.finish_reason = delta.finish_reason
                 if delta.finish_reason is FinishReason.STOP and tokens:
                     event.matched_stop = tokens[-1]
@@ -109,6 +116,14 @@ class ChoiceGeneration:
                 yield event
                 return
             yield event
+
+    def _echo(self, event: ChoiceEvent, delta: TextDelta) -> None:
+        """Puts the prompt in front of the event's text and logprobs: a text prompt as the client sent it,
+        token ids as the detokenizer decoded them."""
+        prompt = self.request.prompt if self.request.prompt is not None else delta.prompt_text or ""
+        event.text = prompt + event.text
+        if event.logprobs is not None:
+            event.logprobs = [*(delta.prompt_logprobs or ()), *event.logprobs]
 
     def _raise_if_stuck(self, last_output: float) -> None:
         assert self._stream is not None

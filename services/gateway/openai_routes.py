@@ -109,7 +109,11 @@ def fan_out(
                 sampling=spec.params_for_choice(i),
                 **_prompt_fields(prompt),
             )
-            choices.append(ChoiceGeneration(gw.bus, index, req, spec.stop, limits, scope.traceparent))
+            choices.append(
+                ChoiceGeneration(
+                    gw.bus, index, req, spec.stop, limits, scope.traceparent, spec.logprobs, spec.echo
+                )
+            )
     return ChoiceGroup(choices, base.rid, spec.n)
 
 

@@ -24,6 +24,7 @@ class RequestStream:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     wants_logprobs: bool = False
+    prompt_logprobs: list[TokenLogprob] | None = None  # until the first delta carries them
     cached_tokens: int = 0
     finished: bool = False
     finish_reason: FinishReason | None = None
@@ -41,6 +42,8 @@ class RequestStream:
         self.output_ids += out.new_token_ids
         if self.wants_logprobs and out.logprobs:
             self.logprobs += out.logprobs
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         self.cached_tokens = out.cached_tokens
         self.traceparent = traceparent or self.traceparent
         if out.finished:
@@ -67,8 +70,10 @@ class RequestStream:
             completion_tokens=len(self.output_ids),
             logprobs=self.logprobs[self.sent :] if self.wants_logprobs else None,
             traceparent=self.traceparent,
+            prompt_logprobs=self.prompt_logprobs,
         )
         self.sent, self.seq, self.final_sent = len(self.output_ids), self.seq + 1, self.finished
+        self.prompt_logprobs = None
         return delta
 
     def abandon(self, instance_id: str, err: KubesglError) -> TextDelta:

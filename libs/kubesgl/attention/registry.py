@@ -39,6 +39,8 @@ def create_backend(
     """
     device = torch.device(device)
     spec = name.strip().lower()
+    if spec == "auto":  # first: what it resolves to may be a hybrid
+        spec = resolve_auto(device)
     if "," in spec:
         parts = [p.strip() for p in spec.split(",")]
         if len(parts) != 2 or "auto" in parts or not all(parts):
@@ -58,8 +60,6 @@ def create_backend(
                 scale=scale,
             )
             return HybridAttention(create_backend(parts[0], **kw), create_backend(parts[1], **kw))
-    if spec == "auto":
-        spec = resolve_auto(device)
     if spec == "torch":
         from kubesgl.attention.torch_backend import TorchAttention
 

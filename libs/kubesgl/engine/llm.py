@@ -27,7 +27,8 @@ class LLM:
         prompts: list[str] | list[list[int]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[dict[str, Any]]:
-        """Runs every prompt to completion; returns one dict per prompt, in order."""
+        """Runs every prompt to completion; returns one dict per prompt, in order (with `prompt_logprobs`
+        when LogprobOptions.prompt_start asked for them)."""
         params = sampling_params if sampling_params is not None else SamplingParams()
         plist = params if isinstance(params, list) else [params] * len(prompts)
         if len(plist) != len(prompts):
@@ -56,6 +57,8 @@ class LLM:
                 r["token_ids"] += out.new_token_ids
                 if out.logprobs:
                     r["logprobs"] += out.logprobs
+                if out.prompt_logprobs is not None:
+                    r["prompt_logprobs"] = out.prompt_logprobs
                 if out.finished:
                     r["finish_reason"] = out.finish_reason
                     r["cached_tokens"] = out.cached_tokens

@@ -23,6 +23,17 @@ class SlotInit:
         return self.params.seed is not None
 
 
+@dataclass(frozen=True)
+class PromptLogprobRows:
+    """Prompt-token logprobs one extend row computes: the logits at `len(targets)` positions from `offset`
+    within its chunk, each scored at the prompt token that follows it (`targets`), with `top` alternatives."""
+
+    row: int
+    offset: int
+    targets: tuple[int, ...]
+    top: int
+
+
 @dataclass
 class BatchPlan:
     """One forward + sample step over B requests (see AttentionMetadata for the length fields).
@@ -42,6 +53,7 @@ class BatchPlan:
     page_writes: list[tuple[int, int, list[int]]] = field(default_factory=list)  # (slot, first index, pages)
     slot_inits: list[SlotInit] = field(default_factory=list)
     num_decode: int = 0  # extend plans: trailing decode rows (a mixed step); decode plans: unused
+    prompt_logprobs: list[PromptLogprobRows] = field(default_factory=list)  # extend plans only
 
     @property
     def batch_size(self) -> int:

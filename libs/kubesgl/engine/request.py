@@ -36,6 +36,11 @@ class Req:
     finish_reason: FinishReason | None = None
     emitted: int = 0  # output tokens already reported
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # gathered across prefill chunks
+    prompt_logprobs_sent: bool = False
+    # The next prompt position whose logprob no launched step computes yet (by the logits one position before
+    # it); None when none is left, or none was asked for.
+    prompt_logprob_next: int | None = None
 
     @property
     def all_ids(self) -> list[int]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,7 +24,7 @@ from kubesgl.engine.cuda_graph import DecodeGraphs, auto_max_bs
 from kubesgl.engine.plan import BatchPlan
 from kubesgl.engine.sampler import Sampler
 from kubesgl.engine.scheduler import StepTokens
-from kubesgl.engine.transfer import PinnedStaging
+from kubesgl.engine.transfer import PinnedStaging, to_device
 from kubesgl.kv.kv_cache import KVCache
 from kubesgl.layers.forward import ForwardBatch
 from kubesgl.models.loader import load_model
@@ -53,13 +54,15 @@ class StepResult:
     top_ids: torch.Tensor | None
     top_lp: torch.Tensor | None
     event: torch.cuda.Event | None = None
+    prompt: PromptLogprobs | None = None
 
     def to_host(self) -> StepTokens:
         if self.event is not None:
             self.event.synchronize()
         toks = self.tokens.tolist()
+        prompt = self.prompt.to_host(self.plan) if self.prompt is not None else {}
         if self.chosen_lp is None and len(toks) == len(self.plan.sample):  # every row sampled, no logprobs
-            return StepTokens(toks, [None] * len(toks))
+            return StepTokens(toks, [None] * len(toks), prompt)
         chosen = self.chosen_lp.tolist() if self.chosen_lp is not None else None
         top_ids = self.top_ids.tolist() if self.top_ids is not None else None
         top_lp = self.top_lp.tolist() if self.top_lp is not None else None
@@ -78,7 +81,77 @@ class StepResult:
             else:
                 out_lps.append(None)
             j += 1
-        return StepTokens(out_tokens, out_lps)
+        return StepTokens(out_tokens, out_lps, prompt)
+
+
+# Prompt positions scored per slice: [rows, vocab] float32 logits of a whole 8k-token chunk would be gigabytes.
+_PROMPT_LOGITS_ROWS = 512
+
+
+@dataclass
+class PromptLogprobs:
+    """Device-side prompt-token logprobs of one step, the plan's PromptLogprobRows concatenated in order."""
+
+    chosen: torch.Tensor  # [positions] the logprob of each target
+    top_ids: torch.Tensor | None  # [positions, max top]
+    top_lp: torch.Tensor | None
+
+    @classmethod
+    def compute(
+        cls,
+        compute_logits: Callable[[torch.Tensor], torch.Tensor],
+        hidden: torch.Tensor,
+        plan: BatchPlan,
+        row_starts: np.ndarray,
+    ) -> PromptLogprobs:
+        """Scores the plan's prompt rows from the step's hidden states (`row_starts`: each row's first token
+        in `hidden`); every TP rank runs it alike (compute_logits gathers the vocab across ranks)."""
+        rows = plan.prompt_logprobs
+        index = np.concatenate(
+            [row_starts[r.row] + r.offset + np.arange(len(r.targets), dtype=np.int64) for r in rows]
+        )
+        targets = [t for r in rows for t in r.targets]
+        io = to_device([*index.tolist(), *targets], torch.int64, hidden.device)
+        index_t, targets_t = io[: len(targets)], io[len(targets) :]
+        n_top = max(r.top for r in rows)
+        chosen, top_ids, top_lp = [], [], []
+        for a in range(0, len(targets), _PROMPT_LOGITS_ROWS):
+            b = a + _PROMPT_LOGITS_ROWS
+            logprobs = torch.log_softmax(compute_logits(hidden[index_t[a:b]]).float(), dim=-1)
+            chosen.append(logprobs.gather(1, targets_t[a:b, None]).squeeze(1))
+            if n_top:
+                lp, ids = logprobs.topk(n_top, dim=-1)
+                top_lp.append(lp)
+                top_ids.append(ids)
+        if not n_top:
+            return cls(torch.cat(chosen), None, None)
+        return cls(torch.cat(chosen), torch.cat(top_ids), torch.cat(top_lp))
+
+    def to_cpu(self) -> PromptLogprobs:
+        """Asynchronous copies; StepResult's event marks when they are done."""
+        chosen, top_ids, top_lp = (
+            t.to("cpu", non_blocking=True) if t is not None else None
+            for t in (self.chosen, self.top_ids, self.top_lp)
+        )
+        assert chosen is not None
+        return PromptLogprobs(chosen, top_ids, top_lp)
+
+    def to_host(self, plan: BatchPlan) -> dict[int, list[TokenLogprob]]:
+        chosen = self.chosen.tolist()
+        top_ids = self.top_ids.tolist() if self.top_ids is not None else None
+        top_lp = self.top_lp.tolist() if self.top_lp is not None else None
+        out: dict[int, list[TokenLogprob]] = {}
+        j = 0
+        for r in plan.prompt_logprobs:
+            entries = []
+            for t in r.targets:
+                top = ()
+                if r.top and top_ids is not None and top_lp is not None:
+                    top = tuple(zip(top_ids[j][: r.top], top_lp[j][: r.top], strict=True))
+                entries.append(TokenLogprob(t, chosen[j], top))
+                j += 1
+            out[r.row] = entries
+        return out
 
 
 class ModelRunner:
@@ -264,12 +337,23 @@ class ModelRunner:
         hidden = self.model.forward(
             ForwardBatch(plan.mode, input_ids, positions, out_loc, self.attn, self.kv)
         )
+        prompt = (
+            PromptLogprobs.compute(self.model.compute_logits, hidden, plan, ends - ext)
+            if plan.prompt_logprobs
+            else None
+        )
         if k == 0:
-            return StepResult(plan, torch.empty(0, dtype=torch.int64, device=self.device), None, None, None)
-        return self._sample(plan, self.model.compute_logits(hidden[last]).float(), s_slots, s_lens)
+            none = torch.empty(0, dtype=torch.int64, device=self.device)
+            return self._result(plan, none, None, None, None, prompt)
+        return self._sample(plan, self.model.compute_logits(hidden[last]).float(), s_slots, s_lens, prompt)
 
     def _sample(
-        self, plan: BatchPlan, logits: torch.Tensor, slots_t: torch.Tensor, seq_lens_t: torch.Tensor
+        self,
+        plan: BatchPlan,
+        logits: torch.Tensor,
+        slots_t: torch.Tensor,
+        seq_lens_t: torch.Tensor,
+        prompt: PromptLogprobs | None = None,
     ) -> StepResult:
         """The eager sampler over the rows that sample (slots_t, seq_lens_t: theirs, on the device); their
         tokens go into the token pool."""
@@ -283,7 +367,7 @@ class ModelRunner:
             [plan.top_logprobs[i] for i in pick],
         )
         self.token_pool[slots_t, seq_lens_t] = toks
-        return self._result(plan, toks, chosen, top_ids, top_lp)
+        return self._result(plan, toks, chosen, top_ids, top_lp, prompt)
 
     def _result(
         self,
@@ -292,15 +376,17 @@ class ModelRunner:
         chosen: torch.Tensor | None,
         top_ids: torch.Tensor | None,
         top_lp: torch.Tensor | None,
+        prompt: PromptLogprobs | None = None,
     ) -> StepResult:
         if self.device.type != "cuda":
-            return StepResult(plan, toks, chosen, top_ids, top_lp)
+            return StepResult(plan, toks, chosen, top_ids, top_lp, None, prompt)
         toks, chosen, top_ids, top_lp = (
             t.to("cpu", non_blocking=True) if t is not None else None for t in (toks, chosen, top_ids, top_lp)
         )
+        prompt = prompt.to_cpu() if prompt is not None else None
         event = torch.cuda.Event()
         event.record()
-        return StepResult(plan, toks, chosen, top_ids, top_lp, event)
+        return StepResult(plan, toks, chosen, top_ids, top_lp, event, prompt)
 
     def _write_page_table(self, cells: torch.Tensor) -> None:
         """cells: [rows..., cols..., values...] from `_page_cells`, on the device."""

@@ -6,9 +6,9 @@ from __future__ import annotations
 import itertools
 import random
 from collections import Counter, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from kubesgl.engine.plan import BatchPlan, SlotInit
+from kubesgl.engine.plan import BatchPlan, PromptLogprobRows, SlotInit
 from kubesgl.engine.request import Req, ReqState
 from kubesgl.errors import ContextLengthError, InvalidRequestError
 from kubesgl.kv.page_pool import PagePool
@@ -34,6 +34,7 @@ class StepTokens:
 
     tokens: list[int]
     logprobs: list[TokenLogprob | None]
+    prompt_logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)  # by plan row
 
 
 class Scheduler:
@@ -94,6 +95,11 @@ class Scheduler:
             arrival=next(self._arrival),
             max_new_tokens=budget if budget is not None else ctx - n,
         )
+        start = params.logprobs.prompt_start if params.logprobs is not None else None
+        if start == 0:
+            req.prompt_logprobs.append(TokenLogprob(input_ids[0], None))  # nothing before it to predict it
+        if start is not None and max(start, 1) < n:
+            req.prompt_logprob_next = max(start, 1)
         self.reqs[rid] = req
         self.waiting.append(req)
 
@@ -179,12 +185,14 @@ class Scheduler:
                     self._unadmit(req, plan)
                 break
             self._grow(req, need, plan)
+            self._add_prompt_logprobs(plan, req, chunk)
             plan.slots.append(req.slot)
             plan.prefix_lens.append(req.kv_len)
             plan.extend_lens.append(chunk)
             plan.tokens += req.all_ids[req.kv_len : req.kv_len + chunk]
             req.kv_len += chunk
-            last = req.kv_len == req.prefill_target
+            # max_tokens 0: the prompt's last chunk samples nothing (process() ends the request).
+            last = req.kv_len == req.prefill_target and req.max_new_tokens > 0
             plan.sample.append(last)
             plan.top_logprobs.append(self._top_logprobs(req) if last else -1)
             req.pending += last
@@ -228,6 +236,22 @@ class Scheduler:
             req.pending += 1
 
     @staticmethod
+    def _add_prompt_logprobs(plan: BatchPlan, req: Req, chunk: int) -> None:
+        """The prompt logprobs this chunk's logits give: position p's logits predict prompt token p + 1."""
+        nxt = req.prompt_logprob_next
+        if nxt is None:
+            return
+        first = nxt - 1  # >= kv_len: admission matched the prefix cache only up to here
+        end = min(req.kv_len + chunk, len(req.input_ids) - 1)
+        if end > first:
+            assert req.params.logprobs is not None and first >= req.kv_len
+            targets = tuple(req.input_ids[first + 1 : end + 1])
+            plan.prompt_logprobs.append(
+                PromptLogprobRows(len(plan.slots), first - req.kv_len, targets, req.params.logprobs.top)
+            )
+            req.prompt_logprob_next = end + 1 if end + 1 < len(req.input_ids) else None
+
+    @staticmethod
     def _top_logprobs(req: Req) -> int:
         return req.params.logprobs.top if req.params.logprobs is not None else -1
 
@@ -236,7 +260,10 @@ class Scheduler:
         req.state = ReqState.RUNNING
         req.slot = self._free_slots.pop()
         req.prefill_target = req.num_known
-        handle, pages = self.cache.match_prefix(req.all_ids[: req.prefill_target - 1])
+        # A cached prefix has no logits: prompt logprobs still to compute cap the match (SGLang's approach).
+        nxt = req.prompt_logprob_next
+        limit = req.prefill_target - 1 if nxt is None else min(nxt - 1, req.prefill_target - 1)
+        handle, pages = self.cache.match_prefix(req.all_ids[:limit])
         req.cache_handle, req.pages, req.tree_pages = handle, list(pages), len(pages)
         req.kv_len = len(pages) * self.pool.page_size
         if req.cached_tokens < 0:
@@ -301,8 +328,17 @@ class Scheduler:
         eos = self.limits.eos_token_ids
         touched: list[Req] = []
         prefilled = plan.num_extend  # rows before it are prefill chunks, after it decode rows
+        for rows in plan.prompt_logprobs:
+            req = reqs[rows.row]  # even if preempted since: a launched step's logits are valid
+            if not req.finished:
+                req.prompt_logprobs += out.prompt_logprobs[rows.row]
         for i, req in enumerate(reqs):
             if not plan.sample[i]:
+                final_chunk = (
+                    i < prefilled and plan.prefix_lens[i] + plan.extend_lens[i] == req.prefill_target
+                )
+                if final_chunk and req.max_new_tokens == 0 and not req.finished:
+                    self._finish(req, FinishReason.LENGTH)  # prefill only (max_tokens 0): its prompt is done
                 continue
             req.pending -= 1
             if req.finished:
@@ -343,6 +379,10 @@ class Scheduler:
     def _output(self, req: Req) -> RequestOutput:
         new = req.output_ids[req.emitted :]
         lps = req.logprobs[req.emitted :] if req.params.logprobs is not None else None
+        lp = req.params.logprobs
+        prompt_lps = None
+        if lp is not None and lp.prompt_start is not None and not req.prompt_logprobs_sent:
+            prompt_lps, req.prompt_logprobs_sent = req.prompt_logprobs, True
         req.emitted = len(req.output_ids)
         if req.finished:
             self.reqs.pop(req.rid, None)
@@ -355,4 +395,5 @@ class Scheduler:
             finished=req.finished,
             finish_reason=req.finish_reason,
             logprobs=lps,
+            prompt_logprobs=prompt_lps,
         )

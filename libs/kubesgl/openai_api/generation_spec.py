@@ -25,6 +25,8 @@ class GenerationSpec:
     """One validated request: `params` for choice 0; `params_for_choice(i)` for the fan-out children.
 
     `params.max_tokens` is None when the client set none: the engine gives it the rest of the context.
+    `logprobs` says whether the answer shows logprobs: `echo` asks the engine for the prompt's tokens
+    (`params.logprobs.prompt_start` 0) even when the client asked for no logprobs.
     """
 
     params: SamplingParams
@@ -32,6 +34,8 @@ class GenerationSpec:
     n: int = 1
     stream: bool = False
     include_usage: bool = False
+    logprobs: bool = False
+    echo: bool = False
 
     def params_for_choice(self, index: int) -> SamplingParams:
         # Distinct seeds keep n seeded samples different yet reproducible; choice 0 keeps the request's seed.
@@ -67,15 +71,21 @@ def chat_spec(req: ChatCompletionRequest) -> GenerationSpec:
     )
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     top = req.top_logprobs or 0
-    return _spec(req, max_tokens, req.logprobs, top, "top_logprobs")
+    return _spec(req, max_tokens, bool(req.logprobs), top, "top_logprobs")
 
 
 def completion_spec(req: CompletionRequest) -> GenerationSpec:
-    _reject_if(req.echo, "echo", "echo is not supported")
     _reject_if(bool(req.suffix), "suffix", "suffix is not supported")
     _reject_if(req.logprobs is not None and req.logprobs < 0, "logprobs", "logprobs must be >= 0")
     top = req.logprobs or 0
-    return _spec(req, req.max_tokens, req.logprobs is not None, top, "logprobs")
+    # max_tokens 0 generates nothing (with echo: the prompt and its logprobs alone, as lm-eval asks).
+    spec = _spec(req, req.max_tokens, req.logprobs is not None, top, "logprobs", min_tokens=0)
+    if not req.echo:
+        return spec
+    # The echoed prompt comes back from the engine (its tokens and their logprobs), so its prefix is not
+    # taken from the prefix cache (docs/architecture.md, "Prompt logprobs").
+    params = replace(spec.params, logprobs=LogprobOptions(top=top, prompt_start=0))
+    return replace(spec, params=params, echo=True)
 
 
 def native_spec(req: NativeGenerateRequest) -> GenerationSpec:
@@ -84,6 +94,12 @@ def native_spec(req: NativeGenerateRequest) -> GenerationSpec:
         req.top_logprobs_num and not req.return_logprob,
         "top_logprobs_num",
         "top_logprobs_num requires return_logprob",
+    )
+    _reject_if(req.logprob_start_len < -1, "logprob_start_len", "logprob_start_len must be >= -1")
+    _reject_if(
+        req.logprob_start_len >= 0 and not req.return_logprob,
+        "logprob_start_len",
+        "logprob_start_len requires return_logprob",
     )
     sp = req.sampling_params
     params = SamplingParams(
@@ -95,13 +111,19 @@ def native_spec(req: NativeGenerateRequest) -> GenerationSpec:
         presence_penalty=sp.presence_penalty,
         frequency_penalty=sp.frequency_penalty,
         repetition_penalty=sp.repetition_penalty,
-        seed=sp.seed,
+        seed=engine_seed(sp.seed),
         stop_token_ids=tuple(sp.stop_token_ids or ()),
         ignore_eos=sp.ignore_eos,
-        logprobs=LogprobOptions(top=req.top_logprobs_num) if req.return_logprob else None,
+        logprobs=LogprobOptions(
+            req.top_logprobs_num, req.logprob_start_len if req.logprob_start_len >= 0 else None
+        )
+        if req.return_logprob
+        else None,
     )
     _validate(params, {"max_tokens": "sampling_params.max_new_tokens"})
-    return GenerationSpec(params=params, stop=_stop_strings(sp.stop), stream=req.stream)
+    return GenerationSpec(
+        params=params, stop=_stop_strings(sp.stop), stream=req.stream, logprobs=req.return_logprob
+    )
 
 
 def _spec(
@@ -110,12 +132,20 @@ def _spec(
     logprobs: bool,
     top_logprobs: int,
     top_logprobs_param: str,
+    min_tokens: int = 1,
 ) -> GenerationSpec:
     _reject_if(bool(req.logit_bias), "logit_bias", "logit_bias is not supported")
     _reject_if(req.best_of not in (None, 1), "best_of", "best_of > 1 is not supported")
-    _reject_if(not 1 <= req.n <= MAX_N, "n", f"n must be in [1, {MAX_N}] (got {req.n})")
     _reject_if(
-        req.stream_options is not None and not req.stream,
+        max_tokens is not None and max_tokens < min_tokens,
+        "max_tokens",
+        f"max_tokens must be at least {min_tokens} (got {max_tokens})",
+    )
+    n = 1 if req.n is None else req.n
+    stream = bool(req.stream)
+    _reject_if(not 1 <= n <= MAX_N, "n", f"n must be in [1, {MAX_N}] (got {n})")
+    _reject_if(
+        req.stream_options is not None and not stream,
         "stream_options",
         "stream_options is only allowed when stream is true",
     )
@@ -133,14 +163,20 @@ def _spec(
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-        seed=req.seed,
+        seed=engine_seed(req.seed),
         stop_token_ids=tuple(req.stop_token_ids or ()),
         ignore_eos=req.ignore_eos,
         logprobs=LogprobOptions(top=top_logprobs) if logprobs else None,
     )
     _validate(params, {"top_logprobs": top_logprobs_param})
-    include_usage = req.stream_options is not None and req.stream_options.include_usage
-    return GenerationSpec(params, _stop_strings(req.stop), req.n, req.stream, include_usage)
+    include_usage = req.stream_options is not None and bool(req.stream_options.include_usage)
+    return GenerationSpec(params, _stop_strings(req.stop), n, stream, include_usage, logprobs)
+
+
+def engine_seed(seed: int | None) -> int | None:
+    """OpenAI takes any int64 seed; the engine's are [0, 2**63): a negative seed maps to seed + 2**63, so
+    each int64 seed names one engine seed, the same every time (a negative one shares it with one positive)."""
+    return None if seed is None else seed % _INT64
 
 
 def _stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:

@@ -35,16 +35,29 @@ def completion_logprobs(entries: Sequence[TokenLogprob], text_offset: int = 0) -
     return {
         "tokens": [e.token for e in entries],
         "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [{token: lp for token, (_, lp), _ in _top(e)} for e in entries],
+        # An echoed prompt's first token has no logprob: OpenAI sends null for it and its alternatives.
+        "top_logprobs": [
+            None if e.logprob is None else {token: lp for token, (_, lp), _ in _top(e)} for e in entries
+        ],
         "text_offset": offsets,
     }
 
 
-def native_logprobs(entries: Sequence[TokenLogprob]) -> dict[str, Any]:
-    return {
+def native_logprobs(
+    entries: Sequence[TokenLogprob], prompt: Sequence[TokenLogprob] | None = None
+) -> dict[str, Any]:
+    """SGLang's meta_info logprobs; `prompt` (with logprob_start_len) adds the input tokens' alike."""
+    out = {
         "output_token_logprobs": [[e.logprob, e.token_id, e.token] for e in entries],
         "output_top_logprobs": [[[lp, tid, token] for token, (tid, lp), _ in _top(e)] for e in entries],
     }
+    if prompt is not None:
+        out["input_token_logprobs"] = [[e.logprob, e.token_id, e.token] for e in prompt]
+        out["input_top_logprobs"] = [
+            None if e.logprob is None else [[lp, tid, token] for token, (tid, lp), _ in _top(e)]
+            for e in prompt
+        ]
+    return out
 
 
 def _top(e: TokenLogprob) -> list[tuple[str | None, tuple[int, float], bytes | None]]:

@@ -31,7 +31,14 @@ def chat_messages(messages: list[request_models.ChatMessage]) -> tuple[ChatMessa
     )
 
 
-def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[PromptInput]:
+# OpenAI's default prompt (the document separator its models were trained with): a model then writes as if
+# from the start of a new document. Tokenizers that know it as a special token (Qwen's) encode it as one.
+DEFAULT_PROMPT = "<|endoftext|>"
+
+
+def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]] | None) -> list[PromptInput]:
+    if prompt is None:
+        prompt = DEFAULT_PROMPT
     if isinstance(prompt, str):
         return [PromptInput(text=prompt)]
     if not prompt:

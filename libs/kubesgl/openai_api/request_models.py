@@ -1,16 +1,26 @@
 """Pydantic models of the OpenAI request bodies we accept. Strict types and `extra="forbid"`: a field we do not
-know, or a value of the wrong type, is a 400 naming the field, never silently coerced or ignored."""
+know, or a value of the wrong type, is a 400 naming the field, never silently coerced or ignored. Two readings
+follow OpenAI's API: `null` for a nullable field means its default, and an integer field takes an
+integer-valued number (`7.0`, as JSON encoders of floats send it) but not `7.5` nor the string "7"."""
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo
 
 from kubesgl.protocol import WIRE_INT_MAX, WIRE_INT_MIN, json_value_error
 
+
+def _integral(value: Any) -> Any:
+    """7.0 is the integer 7 (JSON has one number type); anything else is left for strict validation."""
+    if type(value) is float and value.is_integer():
+        return int(value)
+    return value
+
+
 # Every integer a client sends travels as a msgpack int64: out of that range is a 400 naming the field.
-Int = Annotated[int, Field(ge=WIRE_INT_MIN, le=WIRE_INT_MAX)]
+Int = Annotated[int, BeforeValidator(_integral), Field(ge=WIRE_INT_MIN, le=WIRE_INT_MAX)]
 ShortStr = Annotated[str, Field(max_length=512)]
 
 
@@ -30,16 +40,18 @@ class StrictModel(BaseModel):
 
 
 class StreamOptions(StrictModel):
-    include_usage: bool = False
+    include_usage: bool | None = None
+    # OpenAI pads chunks with random text against length side channels; we send none, whichever is asked.
+    include_obfuscation: bool | None = None
 
 
 class SamplingFields(StrictModel):
     """Fields shared by /v1/chat/completions and /v1/completions (OpenAI names plus the vLLM/SGLang extensions)."""
 
     model: ShortStr
-    stream: bool = False
+    stream: bool | None = None
     stream_options: StreamOptions | None = None
-    n: Int = 1
+    n: Int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[Int] | None = None
     max_tokens: Int | None = None
@@ -75,7 +87,7 @@ class ResponseFormat(StrictModel):
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = None
     top_logprobs: Int | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: JsonObject | None = None
@@ -88,9 +100,9 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[Int] | list[list[Int]]
+    prompt: str | list[str] | list[Int] | list[list[Int]] | None  # null: OpenAI's default, "<|endoftext|>"
     logprobs: Int | None = None
-    echo: bool = False
+    echo: bool | None = None
     suffix: str | None = None
 
 
@@ -121,3 +133,4 @@ class NativeGenerateRequest(StrictModel):
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: Int = 0
+    logprob_start_len: Int = -1  # prompt-token logprobs from this position on; -1: the output tokens' only

@@ -24,6 +24,7 @@ class ChoiceResult:
     cached_tokens: int = 0
     completion_tokens: int = 0
     matched_stop: str | int | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None  # native logprob_start_len
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
@@ -55,7 +56,7 @@ def chat_response(rid: str, created: int, model: str, choices: list[ChoiceResult
         "choices": [
             {
                 "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
+                "message": {"role": "assistant", "content": c.text, "refusal": None},
                 "logprobs": None if c.logprobs is None else chat_logprobs(c.logprobs),
                 "finish_reason": c.finish_reason,
             }
@@ -154,7 +155,7 @@ def native_response(rid: str, choice: ChoiceResult, text: str | None = None) -> 
         else {"type": choice.finish_reason, "matched": choice.matched_stop},
     }
     if choice.logprobs is not None:
-        meta.update(native_logprobs(choice.logprobs))
+        meta.update(native_logprobs(choice.logprobs, choice.prompt_logprobs))
     return {"text": choice.text if text is None else text, "output_ids": choice.token_ids, "meta_info": meta}
 
 

@@ -14,11 +14,12 @@ class FinishReason(StrEnum):
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """One generated token's logprob and its best alternatives: the engine fills the ids and logprobs, the
-    detokenizer the text (the same value all the way to the HTTP response)."""
+    """One token's logprob (a generated token's, or a prompt token's) and its best alternatives: the engine
+    fills the ids and logprobs, the detokenizer the text (the same value all the way to the HTTP response).
+    `logprob` is None only for the first prompt token, which has nothing before it to be predicted from."""
 
     token_id: int
-    logprob: float
+    logprob: float | None
     top: tuple[tuple[int, float], ...] = ()  # (token_id, logprob), best first
     token: str | None = None  # the token's text, or `bytes:\xNN...` for part of a UTF-8 character
     token_bytes: bytes | None = None
@@ -38,6 +39,8 @@ class RequestOutput:
     finished: bool = False
     finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprob] | None = None
+    # With LogprobOptions.prompt_start: the prompt tokens' from there on, once, on the request's first output.
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(frozen=True)

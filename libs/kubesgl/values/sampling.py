@@ -13,20 +13,25 @@ MAX_TOP_LOGPROBS = 20
 
 @dataclass(frozen=True)
 class LogprobOptions:
-    """Which logprobs a request gets back: each generated token's, with its `top` most likely alternatives.
+    """Which logprobs a request gets back: each generated token's, with its `top` most likely alternatives, and
+    from `prompt_start` on (SGLang's `logprob_start_len`; None: none) each prompt token's, computed in prefill.
 
-    Prompt-token logprobs (SGLang's `return_logprob` from `logprob_start_len`) belong here as one more field.
+    A prompt token's logprob is log P(token | the tokens before it); the first prompt token has none (its entry
+    says None). The prefix cache is matched only up to `prompt_start`, since a cached prefix has no logits.
     """
 
     top: int = 0
+    prompt_start: int | None = None
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one request picks its tokens. temperature 0 (or top_k 1) means greedy; top_k -1 and top_p 1 mean off.
+    """How one request picks its tokens. temperature 0 (or top_k 1, or top_p 0: only the likeliest token's mass)
+    means greedy; top_k -1 and top_p 1 mean off.
 
     `max_tokens` None means until the context ends (OpenAI's default), capped by the server's
-    --default-max-tokens when one is set; the engine resolves it when it admits the request.
+    --default-max-tokens when one is set; the engine resolves it when it admits the request. 0 means prefill
+    only (prompt logprobs with echo): the request ends after its prompt, with no token generated.
     """
 
     max_tokens: int | None = 16
@@ -45,7 +50,7 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         """The one definition of greedy: the argmax, no noise drawn."""
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature == 0 or self.top_k == 1 or self.top_p == 0
 
     def validate(self) -> None:
         """Raises InvalidRequestError naming the offending field."""
@@ -54,16 +59,17 @@ class SamplingParams:
                 f"logprobs must be LogprobOptions or None (got {self.logprobs!r})", param="logprobs"
             )
         top = self.logprobs.top if self.logprobs is not None else 0
+        prompt_start = self.logprobs.prompt_start if self.logprobs is not None else None
         checks = [
             (
-                self.max_tokens is None or self.max_tokens >= 1,
+                self.max_tokens is None or self.max_tokens >= 0,
                 "max_tokens",
                 self.max_tokens,
-                "must be at least 1",
+                "must be at least 0",
             ),
             (self.temperature >= 0, "temperature", self.temperature, "must be >= 0"),
             (self.top_k == -1 or self.top_k >= 1, "top_k", self.top_k, "must be -1 (off) or >= 1"),
-            (0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]"),
+            (0 <= self.top_p <= 1, "top_p", self.top_p, "must be in [0, 1]"),
             (0 <= self.min_p <= 1, "min_p", self.min_p, "must be in [0, 1]"),
             (
                 -2 <= self.presence_penalty <= 2,
@@ -79,6 +85,12 @@ class SamplingParams:
             ),
             (self.repetition_penalty > 0, "repetition_penalty", self.repetition_penalty, "must be > 0"),
             (0 <= top <= MAX_TOP_LOGPROBS, "top_logprobs", top, f"must be in [0, {MAX_TOP_LOGPROBS}]"),
+            (
+                prompt_start is None or prompt_start >= 0,
+                "logprob_start_len",
+                prompt_start,
+                "must be >= 0",
+            ),
             (
                 self.seed is None or 0 <= self.seed < 2**63,
                 "seed",
