@@ -22,7 +22,8 @@ select=()
 if [ "${1:-}" = --fast ]; then
   shift
   # The unit files wherever they are now (tests/ root until tests/regroup.py has run, tests/unit/ after).
-  mapfile -t unit < <(.venv/bin/python tests/regroup.py --paths unit)
+  paths=$(.venv/bin/python tests/regroup.py --paths unit) || exit 1
+  mapfile -t unit <<<"$paths"
   select=(-m "unit and not slow" "${unit[@]}")
 fi
 # Two workers, one per core; loadfile keeps a module's module-scoped fixtures (a stack, a model) in one worker.
