@@ -88,6 +88,27 @@ case "$mode" in
     timeout 80 $B --model Qwen3-0.6B --enable-mixed-chunk | tail -1
     timeout 80 $B --model Qwen3-0.6B | tail -1
     ;;
+  serve)  # kubesgl bench serve: 256 concurrent streams through kubesgl up (Qwen3-0.6B, random weights), then the
+          # offline LLM on the same requests in the same call: serve/offline, and client vs gateway TTFT (<= 200 s)
+    M=/tmp/kubesgl-serve/Qwen3-0.6B
+    python3 -c "from kubesgl.models.random_init import write_serving_config as w; w('Qwen3-0.6B', '$M')"
+    # Both engines hold their KV at once: fixed, equal pools (24k pages of 16 = 384k tokens; the workload needs 277k).
+    timeout 195 python3 -m kubesgl.cli up --model $M --device cuda --port 8000 --base-port 8100 \
+      --scheduler-args "--dummy-weight --page-size 16 --num-pages 24000" > "$OUT/serve_up.log" 2>&1 &
+    UP=$!
+    timeout 185 bash -c "python3 benchmark/wait_models.py http://127.0.0.1:8000 120 && \
+      python3 -m kubesgl.cli bench serve --url http://127.0.0.1:8000 --num-seqs 256 --min-input 100 --max-input 1024 \
+        --min-output 100 --max-output 1024 --model $M --dummy-weight --device cuda --page-size 16 --num-pages 24000 \
+        --json $OUT/serve.jsonl" 2>&1 | grep -v Warn | tail -20 | tee "$OUT/serve.txt"
+    kill -INT $UP; wait $UP
+    grep -E "Traceback|Error" "$OUT/serve_up.log" | head -5
+    ;;
+  json)  # structured outputs: the grammar GPU test, then unconstrained against 10% JSON-schema requests, same call
+    timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_structured_engine.py 2>&1 | tail -4 \
+      | tee "$OUT/gpu_tests_json.txt"
+    timeout 90 $B --model Qwen3-0.6B | tail -1
+    timeout 90 $B --model Qwen3-0.6B --json-fraction 0.1 | tail -1
+    ;;
   mixedbench)  # the offline benchmark with mixed chunk on and off, same call (no tests, no trace: ~2 min)
     timeout 80 $B --model Qwen3-0.6B --enable-mixed-chunk | tail -1
     timeout 80 $B --model Qwen3-0.6B | tail -1

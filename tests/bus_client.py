@@ -60,7 +60,10 @@ class BusClient:
         await self.nc.close()
 
     async def _on_delta(self, msg: Msg) -> None:
-        delta = p.TextDelta.from_bytes(msg.data)
+        for delta in p.gateway_deltas(msg.data):
+            self._take(delta)
+
+    def _take(self, delta: p.TextDelta) -> None:
         stream = self.streams.setdefault(delta.rid, Stream())
         if delta.seq in stream.deltas:
             stream.duplicates += 1

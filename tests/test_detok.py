@@ -129,7 +129,8 @@ class Bus:
 
     def inbox(self, gateway_id: str) -> Callable[[Msg], Awaitable[None]]:
         async def on_delta(msg: Msg) -> None:
-            self.received.setdefault(gateway_id, []).append((msg.headers[p.HEADER_RID], msg.data))
+            for delta in p.gateway_deltas(msg.data):
+                self.received.setdefault(gateway_id, []).append((delta.rid, delta.to_bytes()))
 
         return on_delta
 

@@ -305,7 +305,7 @@ BAD_INPUTS = [
             {"model": "demo", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}
         ).encode(),
         400,
-        "tools",
+        "tools[0]",
     ),
     (
         json.dumps(

@@ -58,6 +58,10 @@ REFUSED_VALUES = {
     ("prompt", "the prompt is empty"): "the engine needs a token to start from (null means the default)",
     ("prompt", "prompt must not be empty"): "an empty list of prompts asks for nothing",
     ("stop", "stop strings must not be empty"): "an empty stop string would match before every token",
+    ("logit_bias", "keys must be token ids"): "a key that is not a token id names no token",
+    ("logit_bias", "outside the vocabulary"): "an id outside the model's vocabulary names no token",
+    ("logit_bias", "must be in [-100, 100]"): "OpenAI's API answers the same",
+    ("response_format", "cannot be used"): "a JSON schema xgrammar cannot build constrains nothing",
 }
 
 
@@ -168,17 +172,12 @@ def test_spec_valid_requests_never_get_a_server_error_and_refusals_are_openai_er
 CHAT_GAPS = pytest.mark.xfail(
     strict=True,
     reason="issue 13: tools, tool_choice, tool/assistant-tool_calls messages, name on messages, "
-    "response_format json_*, logit_bias, prompt_cache_* fields and content-part prompt_cache_breakpoint are "
+    "prompt_cache_* fields and content-part prompt_cache_breakpoint are "
     "refused with 400s",
 )
 
 
-COMPLETION_GAPS = pytest.mark.xfail(strict=True, reason="issue 13: logit_bias is refused with a 400")
-
-
-@pytest.mark.parametrize(
-    "path", [pytest.param(ENDPOINTS[0], marks=CHAT_GAPS), pytest.param(ENDPOINTS[1], marks=COMPLETION_GAPS)]
-)
+@pytest.mark.parametrize("path", [pytest.param(ENDPOINTS[0], marks=CHAT_GAPS), ENDPOINTS[1]])
 def test_spec_valid_requests_are_served_with_conforming_answers_or_refused_by_design(served, path) -> None:  # type: ignore[no-untyped-def]
     gaps = []
     for o in _fuzz(served, path):
@@ -272,18 +271,24 @@ ACCEPTED_VALUES = [
     ),
     ("/v1/completions", {**BASE_COMPLETION, "prompt": None, "seed": -(2**63)}, "null prompt, int64 seed"),
     ("/v1/completions", {**BASE_COMPLETION, "max_tokens": 0}, "max_tokens 0"),
-    pytest.param(
+    (
         "/v1/chat/completions",
         {**BASE_CHAT, "response_format": {"type": "json_object"}},
         "response_format json_object",
-        marks=pytest.mark.xfail(strict=True, reason="issue 13: response_format json_object is refused"),
     ),
-    pytest.param(
+    (
         "/v1/chat/completions",
-        {**BASE_CHAT, "logit_bias": {"11": -100}},
-        "logit_bias",
-        marks=pytest.mark.xfail(strict=True, reason="issue 13: logit_bias is refused"),
+        {
+            **BASE_CHAT,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "n", "schema": {"type": "object"}, "strict": True},
+            },
+        },
+        "response_format json_schema",
     ),
+    ("/v1/chat/completions", {**BASE_CHAT, "logit_bias": {"11": -100}}, "logit_bias"),
+    ("/v1/completions", {**BASE_COMPLETION, "logit_bias": {"11": 100}}, "logit_bias on completions"),
 ]
 
 

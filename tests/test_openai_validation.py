@@ -90,10 +90,23 @@ def test_completion_logprobs_int_means_top_n() -> None:
         ({"seed": "7"}, "seed"),
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-        ({"tools": [{"type": "function"}]}, "tools"),
+        ({"tools": [{"type": "function"}]}, "tools[0]"),
         ({"tool_choice": "auto"}, "tool_choice"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"logit_bias": {"1": 5.0}}, "logit_bias"),
+        ({"response_format": {"type": "yaml"}}, "response_format.type"),
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}},
+            "response_format.json_schema.schema",
+        ),
+        ({"json_schema": "{not json"}, "json_schema"),
+        ({"regex": "(unclosed"}, "regex"),
+        ({"ebnf": "root ::= undefined_rule"}, "ebnf"),
+        ({"regex": "a+", "ebnf": 'root ::= "a"'}, "ebnf"),
+        ({"response_format": {"type": "json_object"}, "regex": "a+"}, "regex"),
+        ({"logit_bias": {"a": 5.0}}, "logit_bias"),
+        ({"logit_bias": {"-1": 5.0}}, "logit_bias"),
+        ({"logit_bias": {"1": 100.5}}, "logit_bias"),
+        ({"logit_bias": {"1": "x"}}, "logit_bias.1"),
         ({"best_of": 2}, "best_of"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"stop": [""]}, "stop"),
@@ -244,7 +257,10 @@ def test_malformed_json_is_a_400() -> None:
             '{"model": "m", "messages": [{"role": "user", "content": "x"}], "stop_token_ids": [99999999999999999999]}',
             "stop_token_ids.0",  # the element, as for messages.0.name
         ),
-        ('{"model": "m", "messages": [{"role": "user", "content": "x", "name": "bob"}]}', "messages.0.name"),
+        (
+            '{"model": "m", "messages": [{"role": "user", "content": "x", "name": "%s"}]}' % ("b" * 513),
+            "messages.0.name",  # accepted (passed to the template), but a short string
+        ),
     ],
 )
 def test_values_the_wire_or_sampler_cannot_carry_are_400(body: str, param: str) -> None:
@@ -261,3 +277,62 @@ def test_prompt_token_ids_must_fit_64_bits() -> None:
 
 def test_long_stop_strings_are_refused() -> None:
     assert _param_of_400(_chat, stop=["x" * 257]) == "stop"
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize(
+    ("fields", "kind", "param"),
+    [
+        ({"response_format": {"type": "json_object"}}, "json_object", "response_format"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "n", "schema": SCHEMA, "strict": True},
+                }
+            },
+            "json_schema",
+            "response_format.json_schema.schema",
+        ),
+        ({"json_schema": '{"type": "object", "b": 1}'}, "json_schema", "json_schema"),
+        ({"regex": "[a-z]+"}, "regex", "regex"),
+        ({"ebnf": 'root ::= "yes" | "no"'}, "ebnf", "ebnf"),
+        ({"response_format": {"type": "text"}}, None, None),
+    ],
+)
+def test_structured_output_fields_become_one_constraint(fields: dict[str, Any], kind, param) -> None:  # type: ignore[no-untyped-def]
+    for spec in (_chat(**fields), _completion(**fields)):
+        c = spec.params.constraint
+        assert (c.kind, c.param) == (kind, param) if kind else c is None
+        if kind is not None:
+            assert all(
+                spec.params_for_choice(i).constraint == c for i in range(3)
+            )  # n > 1: each its own matcher
+
+
+def test_json_schema_keeps_key_order() -> None:
+    c = _chat(
+        response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA}}
+    ).params.constraint
+    assert (
+        c is not None
+        and c.source == '{"type":"object","properties":{"a":{"type":"integer"}},"required":["a"]}'
+    )
+
+
+def test_native_constraint_fields() -> None:
+    def native(**sp: Any):
+        return native_spec(NativeGenerateRequest.model_validate({"text": "hi", "sampling_params": sp}))
+
+    assert native(regex="a|b").params.constraint.kind == "regex"  # type: ignore[union-attr]
+    assert native(json_schema='{"type": "string"}').params.constraint.param == "sampling_params.json_schema"  # type: ignore[union-attr]
+    assert _param_of_400(native, regex="(") == "sampling_params.regex"
+    assert _param_of_400(native, regex="a", ebnf='root ::= "a"') == "sampling_params.ebnf"
+
+
+def test_logit_bias_becomes_id_bias_pairs() -> None:
+    assert _chat(logit_bias={"11": -100, "7": 2.5}).params.logit_bias == ((11, -100.0), (7, 2.5))
+    assert _completion(logit_bias={"0": 100}).params.logit_bias == ((0, 100.0),)
+    assert _chat().params.logit_bias == ()

@@ -94,12 +94,28 @@ def _samples() -> list[p.Message]:
             sampling=SamplingParams(max_tokens=0, logprobs=LogprobOptions(top=1, prompt_start=0)),
             deadline=1.0,
         ),
+        p.TextDeltaBatch(
+            deltas=[
+                p.TextDelta(rid="r1", instance_id="sched-0", seq=0, text="a", token_ids=[5]),
+                p.TextDelta(rid="r2", instance_id="sched-0", seq=3, text="", finished=True),
+            ]
+        ),
     ]
 
 
 @pytest.mark.parametrize("msg", _samples(), ids=lambda m: type(m).__name__)
 def test_every_message_round_trips(msg: p.Message) -> None:
     assert type(msg).from_bytes(msg.to_bytes()) == msg
+
+
+def test_a_gateway_subject_carries_a_batch_or_one_error_delta() -> None:
+    batch = _samples()[-1]
+    assert isinstance(batch, p.TextDeltaBatch)
+    assert p.gateway_deltas(batch.to_bytes()) == batch.deltas
+    single = p.TextDelta(rid="r1", instance_id="", seq=-1, text="", finished=True)
+    assert p.gateway_deltas(single.to_bytes()) == [single]
+    with pytest.raises(p.ProtocolError):
+        p.gateway_deltas(p.Abort(rid="r1").to_bytes())
 
 
 def test_unknown_fields_are_ignored_for_forward_compatibility() -> None:

@@ -137,7 +137,7 @@ class Bus:
         self.batches.append(msg.data)
 
     async def _on_text(self, msg: Msg) -> None:
-        self.text_deltas.append(p.TextDelta.from_bytes(msg.data))
+        self.text_deltas.extend(p.gateway_deltas(msg.data))
 
     async def admit(self, n: int, max_tokens: int) -> list[str]:
         sampling = SamplingParams(max_tokens=max_tokens)

@@ -21,10 +21,12 @@ from grammar_helpers import (
     text_of,
 )
 from kubesgl.errors import InvalidRequestError
+from kubesgl.protocol import GenerateRequest
 from kubesgl.structured.bitmask import allowed_tokens, apply_token_bitmask_
 from kubesgl.structured.compiler import GrammarCompiler
 from kubesgl.structured.constraint import Constraint, check_constraint
 from kubesgl.structured.matcher import GrammarRejectedToken, GrammarState, TokenBitmask
+from kubesgl.values.sampling import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -304,7 +306,9 @@ def test_constraint_values_are_checked_where_they_are_built() -> None:
         Constraint("yaml", "a: 1")  # type: ignore[arg-type]
     c = Constraint.json_schema({"b": 1, "a": 2, "type": "object"}, param="x")
     assert c.source == '{"b":1,"a":2,"type":"object"}'  # key order kept: it is the output's order
-    assert Constraint.from_dict(c.to_dict()) == c and Constraint.from_dict(c.to_dict()).param == "x"
+    wire = GenerateRequest("r", "gw", [1], SamplingParams(constraint=c), 0.0).to_bytes()
+    back = GenerateRequest.from_bytes(wire).sampling.constraint
+    assert back == c and back is not None and back.param == "x"  # the wire carries the field it came from
 
 
 def test_each_distinct_constraint_compiles_once_even_when_asked_concurrently(tokenizer) -> None:  # type: ignore[no-untyped-def]

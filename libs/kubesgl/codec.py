@@ -1,7 +1,7 @@
 """Typed dataclasses to msgpack and back, by their declared field types (the wire protocol's codec).
 
 A field may hold int, float, str, bool, bytes, an Enum, another dataclass, `X | None`, `tuple[X, ...]`,
-`tuple[X, Y]`, `list[X]`, `dict[K, V]` of those, or `JsonValue` (free-form JSON, checked where it enters and
+`tuple[X, Y]`, a `Literal`, `list[X]`, `dict[K, V]` of those, or `JsonValue` (free-form JSON, checked where it enters and
 carried as is). Encoding turns nested dataclasses into maps (msgpack packs enums, tuples and lists itself);
 decoding checks every value against its field's type and rebuilds the dataclasses, so a wrong value is a
 ProtocolError naming where it sits (`messages[0].content`), never a dict travelling on. Unknown keys are
@@ -207,6 +207,8 @@ def _decoder(tp: Any) -> _Decode:
         return _scalar(tp)
     if isinstance(tp, type) and issubclass(tp, Enum):
         return _enum(tp)
+    if typing.get_origin(tp) is typing.Literal:
+        return _literal(typing.get_args(tp))
     if dataclasses.is_dataclass(tp):
         return lambda v: _decode_dataclass(tp, v)
     origin, args = typing.get_origin(tp), typing.get_args(tp)
@@ -249,6 +251,17 @@ def _enum(tp: type[Enum]) -> _Decode:
             raise BadValueError(f"must be one of {', '.join(map(repr, members))}, not {v!r:.40}") from None
 
     return member
+
+
+def _literal(values: tuple[Any, ...]) -> _Decode:
+    allowed = set(values)
+
+    def literal(v: Any) -> Any:
+        if type(v) in (str, int, bool) and v in allowed:
+            return v
+        raise BadValueError(f"must be one of {', '.join(map(repr, values))}, not {v!r:.40}")
+
+    return literal
 
 
 def _sequence(origin: type, item_type: Any) -> _Decode:

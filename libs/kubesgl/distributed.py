@@ -44,6 +44,12 @@ class TPGroup:
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)
 
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `x` into every rank's `x` (same shape and dtype everywhere), over the tensor group."""
+        if self.size > 1:
+            dist.broadcast(x, src=0, group=self.group)
+        return x
+
     def broadcast_object(self, obj: object = None) -> object:
         """Rank 0 sends `obj` over the CPU group; every rank returns it."""
         if self.size == 1:

@@ -35,6 +35,7 @@ from kubesgl.errors import (
     ServiceUnavailableError,
     UnsupportedModelError,
 )
+from kubesgl.values.constraint import Constraint
 from kubesgl.values.outputs import FinishReason, TokenLogprob
 from kubesgl.values.sampling import LogprobOptions, SamplingParams
 
@@ -173,7 +174,7 @@ def header_deadline(hdrs: dict[str, str] | None) -> float | None:
 M = TypeVar("M", bound="Message")
 
 # Every field of these changes what the engine does: one a receiver does not know is refused, not dropped.
-refuse_unknown_fields(SamplingParams, LogprobOptions)
+refuse_unknown_fields(SamplingParams, LogprobOptions, Constraint)
 
 
 @dataclass
@@ -220,9 +221,23 @@ class PromptKind(StrEnum):
 
 
 @dataclass(frozen=True)
+class ChatToolCall:
+    """A call an assistant turn made, as chat templates take it: `arguments` an object, not OpenAI's string."""
+
+    name: str
+    arguments: dict[str, JsonValue]
+    id: str | None = None
+
+
+@dataclass(frozen=True)
 class ChatMessage:
-    role: str  # system | user | assistant (the gateway maps OpenAI's "developer" to system)
+    """One message of a chat, normalized by the gateway (`chat_history.template_messages`) for the template."""
+
+    role: str  # system | user | assistant | tool (the gateway maps OpenAI's "developer" to system)
     content: str
+    name: str | None = None
+    tool_calls: tuple[ChatToolCall, ...] = ()  # assistant turns that called tools
+    tool_call_id: str | None = None  # tool turns: the call this result answers
 
 
 @dataclass(frozen=True)
@@ -280,6 +295,11 @@ class TokenizeRequest(Message):
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, JsonValue] | None = None
     session_id: str | None = None  # OpenAI `user` or header x-session-id: routers may keep a session together
+    # kind chat: OpenAI function tools (checked by the gateway), rendered by the template unless tool_choice
+    # is "none"; tool_choice "required" or {"type": "function", ...} is enforced by the tokenizer's grammar.
+    tools: tuple[JsonValue, ...] = ()
+    tool_choice: JsonValue = None
+    parallel_tool_calls: bool = True
 
 
 @dataclass
@@ -300,6 +320,8 @@ class Admitted(Message):
     rid: str
     instance_id: str
     prompt_tokens: int
+    # Set by the tokenizer when the output is to be parsed for tool calls: the `tool_calls` format's name.
+    tool_format: str | None = None
 
 
 @dataclass
@@ -467,6 +489,21 @@ class TextDelta(Message):
     error: ErrorInfo | None = None
     prompt_logprobs: list[TokenLogprob] | None = None
     prompt_text: str | None = None
+
+
+@dataclass
+class TextDeltaBatch(Message):
+    """detokenizer -> one gateway: the TextDeltas of one TokenDeltaBatch whose requests that gateway holds, in
+    one message: a NATS message per gateway per batch, not one per request per token (each cost the gateway
+    a message dispatch; see docs/performance.md, serve path)."""
+
+    deltas: list[TextDelta]
+
+
+def gateway_deltas(data: bytes) -> list[TextDelta]:
+    """What a gateway's subject carries: a TextDeltaBatch, or one TextDelta (a stage reporting an error)."""
+    msg = decode(data, TextDeltaBatch, TextDelta)
+    return msg.deltas if isinstance(msg, TextDeltaBatch) else [msg]
 
 
 @dataclass

@@ -2,7 +2,10 @@
 last byte), with what an operator needs and nothing of the content — method, path, status, and for generation
 requests the request id, prompt / completion tokens, time to first token and duration. Never the prompt, the
 output or the query string (tests/test_log_privacy.py). Probes and scrapes log at DEBUG only, so a kubelet
-polling /ready does not drown the log. uvicorn's own access log stays off (app.py)."""
+polling /ready does not drown the log. uvicorn's own access log stays off (app.py).
+
+AccessLog is the outermost middleware, so it also stamps every request's `Arrival` (ASGI entry, before the
+body is read or parsed): the gateway's TTFT and duration are timed from it, as a client times them."""
 
 from __future__ import annotations
 
@@ -15,6 +18,24 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 log = logging.getLogger("kubesgl.gateway.access")
 
 _QUIET_PATHS = frozenset({"/health", "/ready", "/metrics"})
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """When the request reached the ASGI app: `perf_s` for durations, `unix_ns` for span start times."""
+
+    perf_s: float
+    unix_ns: int
+
+    @staticmethod
+    def now() -> Arrival:
+        return Arrival(time.perf_counter(), time.time_ns())
+
+
+def arrival_of(scope: Scope) -> Arrival:
+    """The request's arrival as AccessLog stamped it (now, for an app mounted without AccessLog)."""
+    arrival = scope.get("state", {}).get("arrival")
+    return arrival if isinstance(arrival, Arrival) else Arrival.now()
 
 
 @dataclass
@@ -45,7 +66,8 @@ class AccessLog:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        start = time.perf_counter()
+        arrival = Arrival.now()
+        scope.setdefault("state", {})["arrival"] = arrival
         sent: list[int] = []
 
         async def recording_send(message: Message) -> None:
@@ -58,7 +80,9 @@ class AccessLog:
         finally:
             level = logging.DEBUG if scope["path"] in _QUIET_PATHS else logging.INFO
             if log.isEnabledFor(level):
-                log.log(level, "%s", line(scope, sent[0] if sent else None, time.perf_counter() - start))
+                log.log(
+                    level, "%s", line(scope, sent[0] if sent else None, time.perf_counter() - arrival.perf_s)
+                )
 
 
 def line(scope: Scope, http_status: int | None, duration_s: float) -> str:

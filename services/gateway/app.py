@@ -22,7 +22,7 @@ from kubesgl.service.nats_conn import NatsSettings, connect
 from kubesgl.service.telemetry.metrics import GatewayMetrics, new_registry
 from kubesgl.service.telemetry.tracing import Tracing
 from kubesgl.services.gateway import native_routes, openai_routes, ops_routes
-from kubesgl.services.gateway.access_log import AccessLog
+from kubesgl.services.gateway.access_log import AccessLog, arrival_of
 from kubesgl.services.gateway.api_keys import ApiKeys
 from kubesgl.services.gateway.bus import GatewayBus
 from kubesgl.services.gateway.config import GatewayConfig, config_from_args
@@ -127,7 +127,8 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def invalid_body(request: Request, err: RequestValidationError) -> JSONResponse:
         gw: Gateway | None = getattr(request.app.state, "gateway", None)
         if gw is not None:  # the route never ran: count the 400 here
-            gw.metrics.request("unknown", request.url.path).finish(400)
+            start = arrival_of(request.scope).perf_s
+            gw.metrics.request("unknown", request.url.path, start=start).finish(400)
         return error_response(error_from_validation(err.errors()))
 
     @app.exception_handler(HTTPException)

@@ -1,5 +1,5 @@
 """The gateway's side of the NATS mesh: admits requests through the tokenizer queue group (retrying with the
-same rid, so a killed tokenizer loses nothing), receives every TextDelta for this gateway on one subscription
+same rid, so a killed tokenizer loses nothing), receives every TextDelta for this gateway on one subscription (in TextDeltaBatches)
 and hands each to its request's RequestStream, tracks scheduler heartbeats, and publishes aborts."""
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from kubesgl.protocol import (
     Heartbeat,
     ProtocolError,
     SchedulerStats,
-    TextDelta,
     TokenizeRequest,
     decode,
+    gateway_deltas,
     gateway_subject,
     headers,
     stats_subject,
@@ -199,13 +199,14 @@ class GatewayBus:
 
     async def _on_delta(self, msg: Msg) -> None:
         try:
-            delta = TextDelta.from_bytes(msg.data)
+            deltas = gateway_deltas(msg.data)
         except ProtocolError as e:
-            log.warning("dropping a malformed TextDelta: %s", e)
+            log.warning("dropping a malformed TextDelta(Batch): %s", e)
             return
-        stream = self._streams.get(delta.rid)
-        if stream is not None and not stream.offer(delta):
-            self.abort(delta.rid, delta.instance_id)  # a second instance runs it too: stop the copy
+        for delta in deltas:
+            stream = self._streams.get(delta.rid)
+            if stream is not None and not stream.offer(delta):
+                self.abort(delta.rid, delta.instance_id)  # a second instance runs it too: stop the copy
 
     async def _on_heartbeat(self, msg: Msg) -> None:
         try:

@@ -8,6 +8,7 @@ import contextlib
 from collections.abc import AsyncIterator
 
 from kubesgl.openai_api.responses import ChoiceResult
+from kubesgl.openai_api.tool_calls import FORMATS, ToolCallFormat
 from kubesgl.services.gateway.generation import ChoiceEvent, ChoiceGeneration
 
 _DONE = object()
@@ -23,6 +24,13 @@ class ChoiceGroup:
         """Prompt tokens admitted, each prompt counted once however many choices it fanned out to."""
         firsts = self.choices[:: self._per_prompt]
         return sum(c.admitted.prompt_tokens for c in firsts if c.admitted is not None)
+
+    def tool_format(self, index: int) -> ToolCallFormat | None:
+        """How choice `index`'s output is parsed for tool calls: the format its tokenizer named when it
+        admitted the request (None: not parsed, as without tools or with tool_choice "none")."""
+        admitted = self.choices[index].admitted
+        name = admitted.tool_format if admitted is not None else None
+        return FORMATS.get(name) if name else None
 
     async def admit(self) -> None:
         """Admits every choice; if any is refused, the others are aborted and the refusal raised."""

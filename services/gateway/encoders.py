@@ -5,6 +5,7 @@ usage) while the stream runs."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -17,6 +18,13 @@ from kubesgl.openai_api.responses import (
     native_response,
     usage_chunk,
     usage_of,
+)
+from kubesgl.openai_api.tool_calls import (
+    ParsedOutput,
+    ToolCallFormat,
+    ToolCallStream,
+    parse_tool_calls,
+    tool_finish_reason,
 )
 from kubesgl.services.gateway.generation import ChoiceEvent
 
@@ -53,11 +61,27 @@ class _Progress:
 
 
 class ChatEncoder:
-    def __init__(self, rid: str, model: str, n: int, include_usage: bool) -> None:
+    """Chat bodies. A choice whose output is parsed for tool calls (`tool_format(index)` names the format once
+    the choice is admitted) streams its calls as OpenAI does: a delta with the call's index, id, type and name,
+    then its arguments in pieces; the text outside calls as content; finish_reason "tool_calls" once a call
+    was made. With `parallel_tool_calls` false only the first call is kept."""
+
+    def __init__(
+        self,
+        rid: str,
+        model: str,
+        n: int,
+        include_usage: bool,
+        tool_format: Callable[[int], ToolCallFormat | None] = lambda _: None,
+        parallel_tool_calls: bool = True,
+    ) -> None:
         self.rid, self.model, self.n = rid, model, n
         self.created = int(time.time())
         self._include_usage = include_usage
         self._progress = _Progress()
+        self._tool_format = tool_format
+        self._parallel = parallel_tool_calls
+        self._tool_streams: dict[int, ToolCallStream | None] = {}
 
     def prelude(self) -> list[dict[str, Any]]:
         return [
@@ -69,26 +93,59 @@ class ChatEncoder:
 
     def chunks(self, event: ChoiceEvent) -> list[dict[str, Any]]:
         self._progress.add(event)
-        if not (event.text or event.logprobs or event.finish_reason):
+        if event.index not in self._tool_streams:
+            fmt = self._tool_format(event.index)
+            self._tool_streams[event.index] = ToolCallStream(fmt) if fmt is not None else None
+        calls = self._tool_streams[event.index]
+        finish: str | None = event.finish_reason
+        if calls is None:
+            deltas = [{"content": event.text}] if event.text else []
+        else:
+            deltas = calls.push(event.text)
+            if finish is not None:
+                deltas += calls.finish()
+                finish = tool_finish_reason(calls.made_calls, finish)
+            deltas = [d for d in deltas if self._parallel or _first_call_only(d)]
+        if not (deltas or event.logprobs or finish):
             return []
-        delta = {"content": event.text} if event.text else {}
-        logprobs = event.logprobs if event.logprobs else None
-        chunk = chat_chunk(
-            self.rid, self.created, self.model, event.index, delta, logprobs, event.finish_reason
-        )
-        return [self._chunk(chunk)]
+        # One delta a chunk (OpenAI's shape); the event's logprobs ride on its first, finish_reason on its last.
+        deltas = deltas or [{}]
+        last = len(deltas) - 1
+        return [
+            self._chunk(
+                chat_chunk(
+                    self.rid,
+                    self.created,
+                    self.model,
+                    event.index,
+                    d,
+                    event.logprobs if i == 0 and event.logprobs else None,
+                    finish if i == last else None,
+                )
+            )
+            for i, d in enumerate(deltas)
+        ]
 
     def usage_chunk(self) -> dict[str, Any]:
         body = usage_of(self._progress.ordered())
         return usage_chunk(self.rid, self.created, self.model, "chat.completion.chunk", body)
 
     def final(self, results: list[ChoiceResult]) -> dict[str, Any]:
-        return chat_response(self.rid, self.created, self.model, results)
+        parsed = {}
+        for r in results:
+            if (fmt := self._tool_format(r.index)) is not None:
+                out = parse_tool_calls(r.text, fmt)
+                parsed[r.index] = out if self._parallel else ParsedOutput(out.content, out.tool_calls[:1])
+        return chat_response(self.rid, self.created, self.model, results, parsed)
 
     def _chunk(self, chunk: dict[str, Any]) -> dict[str, Any]:
         if self._include_usage:
             chunk["usage"] = None  # OpenAI: with include_usage every chunk carries usage, null until the last
         return chunk
+
+
+def _first_call_only(delta: dict[str, Any]) -> bool:
+    return all(c["index"] == 0 for c in delta.get("tool_calls", ()))
 
 
 class CompletionEncoder:

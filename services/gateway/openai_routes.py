@@ -44,12 +44,17 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
             add_generation_prompt=body.add_generation_prompt,
             chat_template_kwargs=body.chat_template_kwargs,
             session_id=session_id(request, body.user),
+            tools=spec.tool_use.tools,
+            tool_choice=spec.tool_use.choice,
+            parallel_tool_calls=spec.tool_use.parallel,
         )
         group = fan_out(gw, scope, base, [None], spec)
     except BaseException as e:
         scope.finish(getattr(e, "status", 500))
         raise
-    encoder = ChatEncoder(rid, body.model, spec.n, spec.include_usage)
+    encoder = ChatEncoder(
+        rid, body.model, spec.n, spec.include_usage, group.tool_format, spec.tool_use.parallel
+    )
     return await respond(request, scope, group, encoder, spec.stream, spec.include_usage)
 
 

@@ -1,12 +1,13 @@
 """What one HTTP generation request holds until its response ends (its concurrency lease, metrics timer and
 trace span), released exactly once whichever way the response ends; at the end it fills the request's
-access-log record (access_log.py)."""
+access-log record (access_log.py). Timer and span start at the request's arrival (ASGI entry), not here: the
+body's read and parse before the route runs is part of what the client waits for its first token."""
 
 from __future__ import annotations
 
 from fastapi import Request
-from kubesgl.service.telemetry.tracing import ATTR_MODEL, SPAN_GATEWAY_REQUEST, traceparent
-from kubesgl.services.gateway.access_log import record_of
+from kubesgl.service.telemetry.tracing import ATTR_MODEL, ATTR_TTFT, SPAN_GATEWAY_REQUEST, traceparent
+from kubesgl.services.gateway.access_log import arrival_of, record_of
 from kubesgl.services.gateway.api_keys import ANONYMOUS
 from kubesgl.services.gateway.gateway import Gateway
 from opentelemetry.trace import SpanKind, Status, StatusCode
@@ -20,12 +21,14 @@ class RequestScope:
         key = getattr(request.state, "api_key", ANONYMOUS)
         self._lease = gw.limit.acquire(key)  # 429 before any work
         label = gw.metrics_model(model)
-        self.metrics = gw.metrics.request(label, endpoint)
+        arrival = arrival_of(request.scope)
+        self.metrics = gw.metrics.request(label, endpoint, start=arrival.perf_s)
         self._span = gw.tracing.start_span(
             SPAN_GATEWAY_REQUEST,
             parent=dict(request.headers),
             attributes={ATTR_MODEL: label, "http.route": endpoint},
             kind=SpanKind.SERVER,
+            start_time_ns=arrival.unix_ns,
         )
         self.traceparent = traceparent(self._span)
         self._access = record_of(request.scope)
@@ -42,6 +45,8 @@ class RequestScope:
         self._access.rid = rid or "-"
         self._access.completion_tokens, self._access.ttft_s = self.metrics.tokens, self.metrics.ttft_s
         self._span.set_attribute("http.response.status_code", status)
+        if self.metrics.ttft_s is not None:
+            self._span.set_attribute(ATTR_TTFT, self.metrics.ttft_s)
         if status >= 500:
             self._span.set_status(Status(StatusCode.ERROR))
         self._span.end()

@@ -84,10 +84,14 @@ async def _sse_events(
     try:
         for chunk in encoder.prelude():
             yield sse(chunk)
+        unsent = 0  # tokens whose chunk is still held back (no text yet): timed when the client gets them
         async for event in group.events():
+            unsent += len(event.token_ids)
             for chunk in encoder.chunks(event):
                 yield sse(chunk)
-            scope.metrics.on_tokens(len(event.token_ids))
+                scope.metrics.on_tokens(unsent)
+                unsent = 0
+        scope.metrics.on_tokens(unsent)
         if include_usage:
             yield sse(encoder.usage_chunk())
         status = 200

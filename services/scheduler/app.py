@@ -60,6 +60,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="prefill steps also carry the decode batch (SGLang's flag; decode rows count against "
         "--max-prefill-length)",
     )
+    parser.add_argument(
+        "--dummy-weight",
+        action="store_true",
+        help="random weights on the model's config, no checkpoint read (benchmarks: kubesgl bench serve)",
+    )
     parser.add_argument("--seed", type=int, default=d.seed, help="sampling seed for unseeded requests")
     parser.add_argument(
         "--default-max-tokens",
@@ -142,6 +147,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         cuda_graph_max_bs=args.cuda_graph_max_bs,
         disable_overlap=args.disable_overlap,
         enable_mixed_chunk=args.enable_mixed_chunk,
+        dummy_weight=args.dummy_weight,
         seed=args.seed,
         default_max_tokens=args.default_max_tokens,
         kv_event_block_size=args.kv_event_block_size if args.cache == "radix" else 0,

@@ -294,6 +294,9 @@ class SchedulerService:
             stream = self._streams.get(out.rid)
             if stream is None:
                 continue  # aborted or abandoned here: its final engine output has nowhere to go
+            if out.error is not None:  # failed inside the engine (its grammar did not compile)
+                self._tasks.spawn(self._abandon(out.rid, out.error))
+                continue
             stream.add(out, parents.get(out.rid))
             streams.append(stream)
         self._send(streams)

@@ -12,6 +12,7 @@ import contextlib
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import nats.errors
 from kubesgl.errors import (
@@ -49,7 +50,13 @@ from kubesgl.service.telemetry.tracing import (
     traceparent,
 )
 from kubesgl.services.tokenizer.kv_feed import KvFeed
-from kubesgl.services.tokenizer.prompt import check_context, prompt_ids
+from kubesgl.services.tokenizer.prompt import (
+    check_context,
+    model_tool_format,
+    prompt_ids,
+    tool_format_for,
+    tool_sampling,
+)
 from kubesgl.services.tokenizer.request_router import RequestRouter
 from kubesgl.text.tokenizer import ModelTokenizer
 from nats.aio.client import Client
@@ -77,6 +84,7 @@ class TokenizerService:
     ) -> None:
         self.nc = nc
         self.tokenizer = tokenizer
+        self.tool_format = model_tool_format(tokenizer)
         self.model = model
         self.router = router
         self.registry = registry
@@ -163,6 +171,8 @@ class TokenizerService:
             raise DeadlineExceededError("the request's deadline passed before it was tokenized")
         if req.model != self.model:
             raise ModelNotFoundError(f"The model `{req.model}` does not exist.", param="model")
+        tool_format = tool_format_for(req, self.tool_format)
+        sampling = tool_sampling(req, tool_format)
         start = time.perf_counter()
         loop = asyncio.get_running_loop()
         ids = await loop.run_in_executor(self._tokenize_thread, prompt_ids, req, self.tokenizer)
@@ -171,15 +181,19 @@ class TokenizerService:
         if not candidates:
             raise ServiceUnavailableError(f"no scheduler is available for model `{self.model}`; retry later")
         check_context(req, len(ids), min(c.heartbeat.context_len for c in candidates))
-        # Sampling goes on as it came: the gateway checked it and the engine checks it again when it admits it.
+        # Sampling goes on as it came (plus the tool_choice grammar): the gateway checked it and the engine
+        # checks it again when it admits it.
         gen = GenerateRequest(
             rid=req.rid,
             gateway_id=req.gateway_id,
             input_ids=ids,
-            sampling=req.sampling,
+            sampling=sampling,
             deadline=req.deadline,
         )
-        return await self._forward(gen, req.session_id, trace)
+        reply = await self._forward(gen, req.session_id, trace)
+        if isinstance(reply, Admitted) and tool_format is not None:
+            reply = replace(reply, tool_format=tool_format.name)  # tells the gateway to parse tool calls
+        return reply
 
     async def _forward(
         self, gen: GenerateRequest, session_id: str | None, trace: str | None

@@ -3,6 +3,11 @@
 Workload (Mini-SGLang's): python `random` seeded 0; first the prompts, each of randint(min_in, max_in) token ids
 drawn with randint(0, 10000), then each request's max_tokens randint(min_out, max_out); temperature 0.6; EOS
 ignored; one warm-up request. Throughput = output tokens / wall time.
+
+`--json-fraction F`: that share of the requests (drawn with python `random` seeded 1) carries BENCH_SCHEMA as a
+JSON-schema constraint; they end when their JSON does (so the run has fewer output tokens), and the line reports
+tok/s, how many constrained outputs parse and validate, and the grammar compile cache. The warm-up compiles the
+schema, so the timed run measures masking and matching, not the one-off compile.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import tempfile
 import time
 from typing import Any
@@ -46,7 +52,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--hf-baseline", type=int, default=0, help="also run HF transformers on this many requests"
     )
+    p.add_argument(
+        "--json-fraction", type=float, default=0.0, help="share of requests constrained to a JSON schema"
+    )
     p.add_argument("--json", default=None, help="append the figures as one JSON line to this file")
+
+
+# A small fixed schema: bounded strings and arrays, so a constrained output ends inside its max_tokens.
+BENCH_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 1000000},
+        "name": {"type": "string", "maxLength": 48},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 16}, "maxItems": 6},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["id", "name", "tags", "ok"],
+    "additionalProperties": False,
+}
 
 
 def make_workload(args: argparse.Namespace) -> tuple[list[list[int]], list[int]]:
@@ -103,6 +126,28 @@ def memory_bound_seconds(
     return total
 
 
+def json_figures(llm: Any, outs: list[dict[str, Any]], fraction: float) -> dict[str, Any]:
+    """How the constrained requests of a --json-fraction run did: finished JSON that validates, and tokens."""
+    import jsonschema
+
+    valid = 0
+    for o in outs:
+        try:
+            jsonschema.validate(json.loads(o["text"]), BENCH_SCHEMA)
+            valid += o["finish_reason"] == "stop"
+        except (ValueError, jsonschema.ValidationError):
+            pass
+    grammars = llm.engine.grammars
+    cache = grammars.cache_info() if grammars is not None else None  # the warm-up's one compile: 1 miss
+    return {
+        "json_fraction": fraction,
+        "json_requests": len(outs),
+        "json_valid": valid,
+        "json_output_tokens": sum(len(o["token_ids"]) for o in outs),
+        "grammar_cache_misses": cache.misses if cache else None,
+    }
+
+
 def _resolve_model(name: str) -> tuple[str, bool]:
     if os.path.isdir(name):
         return name, False
@@ -151,13 +196,21 @@ def run_hf_baseline(
 
 
 def main(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
     import torch
 
     from kubesgl import LLM, SamplingParams
     from kubesgl.engine.step_profile import StepProfile
     from kubesgl.kv.kv_cache import KVCache
+    from kubesgl.values.constraint import Constraint
 
     model_dir, dummy = _resolve_model(args.model)
+    if args.json_fraction > 0 and dummy:  # random weights on a real config: Qwen3's tokenizer for the grammar
+        from kubesgl.models.random_init import TOKENIZER_FILES, qwen3_tokenizer_dir
+
+        for name in TOKENIZER_FILES:
+            shutil.copyfile(qwen3_tokenizer_dir() / name, os.path.join(model_dir, name))
     prompts, max_tokens = make_workload(args)
     bw = copy_bandwidth(args.device)
     t0 = time.perf_counter()
@@ -179,10 +232,16 @@ def main(args: argparse.Namespace) -> int:
     m = llm.engine.runner.model
     weight_bytes = sum(p.numel() * p.element_size() for p in m.parameters())
     kv_tok = KVCache.bytes_per_token(m.num_layers, m.num_kv_heads, m.head_dim, m.dtype)
-    llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=8))  # warm-up
+    schema = Constraint.json_schema(BENCH_SCHEMA) if args.json_fraction > 0 else None
+    warm = SamplingParams(max_tokens=8, constraint=schema)
+    llm.generate([[1, 2, 3, 4]], warm)  # warm-up (and the schema compiled)
     sched = llm.engine.scheduler
     warm_steps, warm_rows = sched.steps.copy(), sched.mixed_decode_rows
     params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n) for n in max_tokens]
+    pick = random.Random(1)
+    constrained = [i for i in range(len(params)) if schema is not None and pick.random() < args.json_fraction]
+    for i in constrained:
+        params[i] = replace(params[i], constraint=schema)
     if args.device == "cuda":
         torch.cuda.synchronize()
     t = time.perf_counter()
@@ -191,7 +250,8 @@ def main(args: argparse.Namespace) -> int:
         torch.cuda.synchronize()
     dt = time.perf_counter() - t
     out_tokens = sum(len(o["token_ids"]) for o in outs)
-    assert out_tokens == sum(max_tokens), "EOS is ignored: every request must produce max_tokens"
+    free = [i for i in range(len(outs)) if params[i].constraint is None]
+    assert all(len(outs[i]["token_ids"]) == max_tokens[i] for i in free), "EOS is ignored: max_tokens each"
     ideal = (
         memory_bound_seconds(prompts, max_tokens, weight_bytes, kv_tok, bw, args.max_running_requests)
         if bw == bw
@@ -224,6 +284,8 @@ def main(args: argparse.Namespace) -> int:
         **{f"steps_{kind}": sched.steps[kind] - warm_steps[kind] for kind in ("extend", "mixed", "decode")},
         "mixed_decode_rows": sched.mixed_decode_rows - warm_rows,
     }
+    if schema is not None:
+        res.update(json_figures(llm, [outs[i] for i in constrained], args.json_fraction))
     llm.shutdown()
     if args.hf_baseline:
         del llm

@@ -6,7 +6,8 @@ from randint(0, 10000), then max_tokens randint(min_out, max_out) each; temperat
 defaults scaled down for a CPU. Every request is a streamed /v1/completions call with token-id prompts,
 sent at once (or `--max-concurrency` at a time). Reported: output tok/s over the wall time, TTFT p50/p99,
 ITL p50/p99 (gaps between streamed chunks, as a client sees them) and TPOT (per request, (last - first
-chunk) / (tokens - 1)). With `--model`, the offline LLM then runs the same requests: the ratio
+chunk) / (tokens - 1)), beside the gateway's own TTFT mean over the same burst (its /metrics), which should
+agree with the client's. Requests go out through sse_client, not httpx, whose pool would queue them. With `--model`, the offline LLM then runs the same requests: the ratio
 serving/offline, and the TTFT the bus adds (one request alone, through the gateway vs. offline prefill).
 `--workload shared-prefix` runs multi-turn conversations over shared prefixes instead (shared_prefix.py) and
 adds the cache hit rate, to compare routing policies.
@@ -26,6 +27,7 @@ import httpx
 
 from kubesgl.bench import shared_prefix
 from kubesgl.bench.offline import make_workload
+from kubesgl.bench.sse_client import HttpStatusError, post_events
 from kubesgl.bench.timing import RequestTiming, percentile
 
 SINGLE_TTFT_RUNS = 5
@@ -46,6 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="offline LLM device (match the scheduler's)")
     p.add_argument("--page-size", type=int, default=1, help="offline LLM page size (match the scheduler's)")
     p.add_argument("--num-pages", type=int, default=None, help="offline LLM KV pages")
+    p.add_argument(
+        "--dummy-weight", action="store_true", help="offline LLM on random weights (as the scheduler's flag)"
+    )
     p.add_argument("--json", default=None, help="append the figures as one JSON line to this file")
     p.add_argument(
         "--workload",
@@ -111,9 +116,11 @@ async def _serve(
             async with gate:
                 return await _stream(http, model, ids, n, args.temperature)
 
+        before = await _gateway_ttft(http, model)
         start = time.perf_counter()
         timings = await asyncio.gather(*(one(p, n) for p, n in zip(prompts, max_tokens, strict=True)))
         wall = time.perf_counter() - start
+        after = await _gateway_ttft(http, model)
         singles = [
             await _stream(http, model, prompts[0], 1, args.temperature) for _ in range(SINGLE_TTFT_RUNS)
         ]
@@ -126,6 +133,10 @@ async def _serve(
         if t.first is not None and t.last is not None and t.completion_tokens > 1
     ]
     errors = sorted({t.error for t in timings if t.error})
+    ttfts = [t.ttft for t in ok if t.ttft is not None]
+    counted = after[1] - before[1]
+    gateway_mean = round((after[0] - before[0]) / counted, 4) if counted > 0 else None
+    client_mean = round(statistics.mean(ttfts), 4) if ttfts else None
     return {
         "served_model": model,
         "failed": len(timings) - len(ok),
@@ -135,6 +146,13 @@ async def _serve(
         "output_tok_s": round(out_tokens / wall, 2),
         "ttft_p50_s": percentile([t.ttft for t in ok if t.ttft is not None], 50),
         "ttft_p99_s": percentile([t.ttft for t in ok if t.ttft is not None], 99),
+        "ttft_mean_s": client_mean,
+        # The gateway's own TTFT histogram over the same burst (its /metrics, before and after).
+        "gateway_ttft_mean_s": gateway_mean,
+        "gateway_over_client_ttft": round(gateway_mean / client_mean, 3)
+        if gateway_mean and client_mean
+        else None,
+        "client_send_p50_s": percentile([t.sent for t in ok if t.sent is not None], 50),
         "itl_p50_s": percentile(gaps, 50),
         "itl_p99_s": percentile(gaps, 99),
         "tpot_p50_s": percentile(tpots, 50),
@@ -145,6 +163,7 @@ async def _serve(
 async def _stream(
     http: httpx.AsyncClient, model: str, ids: list[int], n: int, temperature: float
 ) -> RequestTiming:
+    """One streamed completion through sse_client (httpx's pool would add its own queue to the TTFT)."""
     body = {
         "model": model,
         "prompt": ids,
@@ -156,16 +175,18 @@ async def _stream(
     }
     timing = RequestTiming()
     start = time.perf_counter()
+
+    def on_sent() -> None:
+        timing.sent = time.perf_counter() - start
+
+    headers = {k: v for k, v in http.headers.items() if k.lower() == "authorization"}
     try:
-        async with http.stream("POST", "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                await r.aread()
-                timing.error = f"HTTP {r.status_code}: {r.text[:200]}"
-                return timing
-            async for line in r.aiter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    timing.on_event(json.loads(line[6:]), time.perf_counter() - start)
-    except httpx.HTTPError as e:
+        async for data in post_events(str(http.base_url), "/v1/completions", body, headers, on_sent):
+            if data != "[DONE]":
+                timing.on_event(json.loads(data), time.perf_counter() - start)
+    except HttpStatusError as e:
+        timing.error = str(e)
+    except (OSError, asyncio.IncompleteReadError, ValueError) as e:
         timing.error = f"{type(e).__name__}: {e}"
     return timing
 
@@ -173,7 +194,13 @@ async def _stream(
 def _offline(args: argparse.Namespace, prompts: list[list[int]], max_tokens: list[int]) -> dict[str, Any]:
     from kubesgl import LLM, SamplingParams
 
-    llm = LLM(args.model, device=args.device, page_size=args.page_size, num_pages=args.num_pages)
+    llm = LLM(
+        args.model,
+        device=args.device,
+        page_size=args.page_size,
+        num_pages=args.num_pages,
+        dummy_weight=args.dummy_weight,
+    )
     try:
         llm.generate([prompts[0][:8]], SamplingParams(max_tokens=2))  # warm-up
         params = [
@@ -197,6 +224,22 @@ def _offline(args: argparse.Namespace, prompts: list[list[int]], max_tokens: lis
     }
 
 
+async def _gateway_ttft(http: httpx.AsyncClient, model: str) -> tuple[float, float]:
+    """(sum, count) of the gateway's TTFT histogram for `model`; zeros when its /metrics is unreachable."""
+    try:
+        r = await http.get("/metrics")
+        r.raise_for_status()
+    except httpx.HTTPError:
+        return 0.0, 0.0
+    values = {"sum": 0.0, "count": 0.0}
+    prefix = "kubesgl_gateway_time_to_first_token_seconds_"
+    for line in r.text.splitlines():
+        for key in values:
+            if line.startswith(f'{prefix}{key}{{model="{model}"}} '):
+                values[key] = float(line.rsplit(" ", 1)[1])
+    return values["sum"], values["count"]
+
+
 async def _first_model(http: httpx.AsyncClient) -> str:
     r = await http.get("/v1/models")
     r.raise_for_status()
@@ -213,6 +256,13 @@ def _print(res: dict[str, Any]) -> None:
         ("output tok/s (serving)", res["output_tok_s"]),
         ("TTFT p50 / p99 (s)", f"{res['ttft_p50_s']} / {res['ttft_p99_s']}"),
     ]
+    if "gateway_ttft_mean_s" in res:
+        rows.append(
+            (
+                "TTFT mean: client / gateway (s)",
+                f"{res['ttft_mean_s']} / {res['gateway_ttft_mean_s']} ({res['gateway_over_client_ttft']})",
+            )
+        )
     if "cache_hit_rate" in res:
         rows += [
             ("cache hit rate (cached / prompt tokens)", res["cache_hit_rate"]),

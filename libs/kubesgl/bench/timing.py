@@ -11,6 +11,7 @@ import numpy as np
 @dataclass
 class RequestTiming:
     ttft: float | None = None
+    sent: float | None = None  # seconds until the request was written (the client's own send queue)
     gaps: list[float] = field(default_factory=list)
     first: float | None = None
     last: float | None = None

@@ -1,11 +1,14 @@
 """Engine: the one engine loop. Both the offline LLM and the scheduler service drive it with step().
 
 With overlap scheduling (GPU), step() plans and launches batch N+1 before it reads back batch N's tokens,
-so the host's bookkeeping hides behind the device's work; without it, each step is launch-then-read.
+so the host's bookkeeping hides behind the device's work; without it, each step is launch-then-read. A batch
+with grammar-constrained rows launches its forward, and samples once the host has accepted batch N's tokens
+into the matchers and filled those rows' token bitmask (while the device ran the forward).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import datetime
 import logging
 import os
@@ -19,9 +22,10 @@ import torch.multiprocessing as mp
 
 from kubesgl.distributed import TPGroup
 from kubesgl.engine.config import EngineConfig
+from kubesgl.engine.grammar import EngineGrammars, has_tokenizer
 from kubesgl.engine.plan import BatchPlan
 from kubesgl.engine.request import Req
-from kubesgl.engine.runner import ModelRunner, StepResult
+from kubesgl.engine.runner import ModelRunner, PendingSample, StepResult
 from kubesgl.engine.scheduler import Scheduler, SchedulerLimits
 from kubesgl.engine.step_profile import StepHook, StepProfile
 from kubesgl.errors import InvalidRequestError
@@ -29,6 +33,7 @@ from kubesgl.kv.kv_events import KVEvents
 from kubesgl.kv.page_pool import PagePool
 from kubesgl.kv.prefix_cache import NaiveCache, PrefixCache
 from kubesgl.kv.radix import RadixCache
+from kubesgl.structured.matcher import TokenBitmask
 from kubesgl.values.outputs import EngineStats, ModelInfo, RequestOutput
 from kubesgl.values.sampling import SamplingParams
 
@@ -38,6 +43,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _DIST_TIMEOUT = datetime.timedelta(minutes=10)
+# A launched batch: its plan, its requests (one per row) and its results (or its sampling, still to come).
+Launched = tuple[BatchPlan, list[Req], StepResult | PendingSample]
+_GRAMMAR_IDLE_WAIT_S = 0.005  # nothing to run but grammars compiling: wait this long for one, then step again
 
 
 def _validate(config: EngineConfig) -> None:
@@ -114,7 +122,9 @@ def _worker_main(rank: int, config: EngineConfig, port: int) -> None:
             plan = tp.broadcast_object(None)
             if plan is None:
                 break
-            runner.execute(plan)  # type: ignore[arg-type]
+            result = runner.execute(plan)  # type: ignore[arg-type]
+            if isinstance(result, PendingSample):
+                runner.sample_masked(result, None)  # rank 0 broadcasts the bitmask
     finally:
         dist.destroy_process_group()
 
@@ -178,6 +188,12 @@ class Engine:
             if config.cache == "radix"
             else NaiveCache(config.page_size, self.pool)
         )
+        self.grammars = (
+            EngineGrammars(config.model_path, r.model.vocab_size, r.model.eos_token_ids)
+            if has_tokenizer(config.model_path)
+            else None
+        )
+        self._bitmask: TokenBitmask | None = None  # made on the first constrained step
         self.scheduler = Scheduler(
             SchedulerLimits(
                 max_running_requests=config.max_running_requests,
@@ -191,10 +207,11 @@ class Engine:
             self.pool,
             cache,
             seed=config.seed,
+            grammars=self.grammars,
         )
         self.cache = cache
         self.overlap = overlap_enabled(config)
-        self._inflight: tuple[BatchPlan, list[Req], StepResult] | None = None
+        self._inflight: Launched | None = None
         if step_hook is None and os.environ.get("KUBESGL_STEP_PROFILE", "") not in ("", "0"):
             step_hook = StepProfile(on_cuda=self.runner.device.type == "cuda")
         self.step_hook = step_hook  # called at each phase of step() (profiling); None costs nothing
@@ -239,18 +256,44 @@ class Engine:
                 hook.launched(plan)
         if self.overlap:
             done, self._inflight = self._inflight, launched
-        else:
-            done = launched
-        if done is not None:
-            plan, reqs, result = done
-            host = result.to_host()
-            if hook is not None:
-                hook.read_back(plan)
-            outputs += self.scheduler.process(plan, reqs, host)
-            if hook is not None:
-                hook.processed(plan)
+            if done is not None:
+                outputs += self._process(*done)
+            # After batch N's tokens reached the matchers: batch N+1's grammar rows can be masked.
+            self._inflight = self._sample_pending(self._inflight)
+        elif (sampled := self._sample_pending(launched)) is not None:
+            outputs += self._process(*sampled)
         outputs += self.scheduler.drain_finished()
+        if scheduled is None and self._inflight is None and (grammar := self.scheduler.grammar_pending()):
+            concurrent.futures.wait([grammar], timeout=_GRAMMAR_IDLE_WAIT_S)
         return outputs
+
+    def _process(
+        self, plan: BatchPlan, reqs: list[Req], result: StepResult | PendingSample
+    ) -> list[RequestOutput]:
+        assert isinstance(result, StepResult)
+        host = result.to_host()
+        hook = self.step_hook
+        if hook is not None:
+            hook.read_back(plan)
+        outputs = self.scheduler.process(plan, reqs, host)
+        if hook is not None:
+            hook.processed(plan)
+        return outputs
+
+    def _sample_pending(self, launched: Launched | None) -> Launched | None:
+        """A launched batch whose grammar rows wait for their bitmask: filled from the matchers now, then
+        sampled (the other ranks receive the same bitmask)."""
+        if launched is None or not isinstance(launched[2], PendingSample):
+            return launched
+        plan, reqs, pending = launched
+        if self._bitmask is None:
+            cfg = self.config
+            self._bitmask = TokenBitmask(
+                cfg.max_running_requests, self.runner.model.vocab_size, self.runner.device
+            )
+        states = self.scheduler.grammar_states(plan, reqs)
+        self._bitmask.fill(states)
+        return plan, reqs, self.runner.sample_masked(pending, self._bitmask.upload(len(states)))
 
     def drain_kv_events(self) -> tuple[list[int], list[int]]:
         """Block hashes the prefix cache stored and removed since the last call (empty when events are off)."""
@@ -282,6 +325,8 @@ class Engine:
             if p.is_alive():
                 p.kill()
         self._workers = []
+        if getattr(self, "grammars", None) is not None:
+            self.grammars.close()
         runner = getattr(self, "runner", None)  # absent when the runner itself failed to start
         if runner is not None:
             runner.release_device_memory()

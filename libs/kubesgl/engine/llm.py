@@ -57,6 +57,8 @@ class LLM:
                 r["token_ids"] += out.new_token_ids
                 if out.logprobs:
                     r["logprobs"] += out.logprobs
+                if out.error is not None:
+                    r["error"] = out.error
                 if out.prompt_logprobs is not None:
                     r["prompt_logprobs"] = out.prompt_logprobs
                 if out.finished:

@@ -54,6 +54,9 @@ class BatchPlan:
     slot_inits: list[SlotInit] = field(default_factory=list)
     num_decode: int = 0  # extend plans: trailing decode rows (a mixed step); decode plans: unused
     prompt_logprobs: list[PromptLogprobRows] = field(default_factory=list)  # extend plans only
+    # Sampled rows (indices among the rows that sample) whose request has a grammar: the runner samples them
+    # only once the host has filled their token bitmask (after the previous step's tokens were accepted).
+    grammar_rows: list[int] = field(default_factory=list)
 
     @property
     def batch_size(self) -> int:

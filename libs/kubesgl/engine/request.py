@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import enum
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from kubesgl.errors import KubesglError
+from kubesgl.structured.compiler import CompiledConstraint
+from kubesgl.structured.matcher import GrammarState
 from kubesgl.values.outputs import FinishReason, TokenLogprob
 from kubesgl.values.sampling import SamplingParams
 
@@ -41,6 +45,11 @@ class Req:
     # The next prompt position whose logprob no launched step computes yet (by the logits one position before
     # it); None when none is left, or none was asked for.
     prompt_logprob_next: int | None = None
+    # Structured outputs: the grammar being compiled (the request waits), then its matcher, which advances with
+    # every token the host reads back.
+    grammar_future: Future[CompiledConstraint] | None = None
+    grammar: GrammarState | None = None
+    error: KubesglError | None = None
 
     @property
     def all_ids(self) -> list[int]:

@@ -2,7 +2,9 @@
 
 Every rank of a tensor-parallel group runs the same plans in the same order, so the sampled tokens (computed
 from identical all-gathered logits with counter-based noise) are identical everywhere and never need to be
-sent between ranks.
+sent between ranks. A plan with grammar rows stops before sampling (`PendingSample`); rank 0 fills the rows'
+token bitmask once its matchers have seen the previous step's tokens and broadcasts it over the TP group
+(`sample_masked`), so every rank masks and samples alike.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from kubesgl.engine.transfer import PinnedStaging, to_device
 from kubesgl.kv.kv_cache import KVCache
 from kubesgl.layers.forward import ForwardBatch
 from kubesgl.models.loader import load_model
+from kubesgl.structured.matcher import bitmask_width
 from kubesgl.values.outputs import TokenLogprob
 
 log = logging.getLogger(__name__)
@@ -154,6 +157,17 @@ class PromptLogprobs:
         return out
 
 
+@dataclass
+class PendingSample:
+    """A step whose forward is launched and whose sampling waits for its grammar rows' bitmask."""
+
+    plan: BatchPlan
+    logits: torch.Tensor  # [num sampled, V] float32
+    slots_t: torch.Tensor
+    seq_lens_t: torch.Tensor
+    prompt: PromptLogprobs | None = None
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, tp: TPGroup) -> None:
         self.config = config
@@ -248,14 +262,14 @@ class ModelRunner:
         return n
 
     # -- one step ---------------------------------------------------------------------------------------
-    def execute(self, plan: BatchPlan) -> StepResult:
+    def execute(self, plan: BatchPlan) -> StepResult | PendingSample:
         self.sampler.init_slots(plan.slot_inits)
         bs = self.graphs.padded_size(len(plan.slots)) if self.graphs and plan.mode == "decode" else None
         if bs is not None:
             return self._execute_graph(plan, bs)
         return self._execute_eager(plan)
 
-    def _execute_graph(self, plan: BatchPlan, bs: int) -> StepResult:
+    def _execute_graph(self, plan: BatchPlan, bs: int) -> StepResult | PendingSample:
         """A decode step through the captured graphs: one host-to-device copy, then two graph replays."""
         graphs = self.graphs
         assert graphs is not None
@@ -277,7 +291,7 @@ class ModelRunner:
             return self._result(plan, out[:n], None, None, None)
         return self._sample(plan, out[:n].float(), staged.slots, staged.positions + 1)
 
-    def _execute_eager(self, plan: BatchPlan) -> StepResult:
+    def _execute_eager(self, plan: BatchPlan) -> StepResult | PendingSample:
         """Any batch, op by op: extend (prefill chunks, with decode rows riding along in a mixed step), decode
         without graphs, or larger than the largest graph."""
         ps = self.page_size
@@ -354,9 +368,34 @@ class ModelRunner:
         slots_t: torch.Tensor,
         seq_lens_t: torch.Tensor,
         prompt: PromptLogprobs | None = None,
-    ) -> StepResult:
+    ) -> StepResult | PendingSample:
         """The eager sampler over the rows that sample (slots_t, seq_lens_t: theirs, on the device); their
-        tokens go into the token pool."""
+        tokens go into the token pool. With grammar rows, sampling waits for `sample_masked`."""
+        if plan.grammar_rows:
+            return PendingSample(plan, logits, slots_t, seq_lens_t, prompt)
+        return self._sample_now(plan, logits, slots_t, seq_lens_t, prompt)
+
+    def sample_masked(self, pending: PendingSample, bitmask: torch.Tensor | None) -> StepResult:
+        """Samples a pending step with its grammar rows masked. `bitmask`: rank 0's int32 [len(grammar_rows),
+        ceil(V / 32)] on the device; the other ranks pass None and receive it."""
+        if bitmask is None:  # a rank other than 0
+            width = bitmask_width(pending.logits.shape[1])
+            bitmask = torch.empty(
+                len(pending.plan.grammar_rows), width, dtype=torch.int32, device=self.device
+            )
+        self.tp.broadcast(bitmask)
+        p = pending
+        return self._sample_now(p.plan, p.logits, p.slots_t, p.seq_lens_t, p.prompt, bitmask)
+
+    def _sample_now(
+        self,
+        plan: BatchPlan,
+        logits: torch.Tensor,
+        slots_t: torch.Tensor,
+        seq_lens_t: torch.Tensor,
+        prompt: PromptLogprobs | None = None,
+        bitmask: torch.Tensor | None = None,
+    ) -> StepResult:
         pick = [i for i, s in enumerate(plan.sample) if s]
         seq_lens = plan.seq_lens
         toks, chosen, top_ids, top_lp = self.sampler.sample(
@@ -365,6 +404,8 @@ class ModelRunner:
             [seq_lens[i] for i in pick],
             self.token_pool,
             [plan.top_logprobs[i] for i in pick],
+            plan.grammar_rows,
+            bitmask,
         )
         self.token_pool[slots_t, seq_lens_t] = toks
         return self._result(plan, toks, chosen, top_ids, top_lp, prompt)

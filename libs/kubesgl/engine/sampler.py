@@ -1,4 +1,5 @@
-"""Batched sampling on the device: penalties, temperature, top-k, top-p, min-p, seeded noise, logprobs.
+"""Batched sampling on the device: penalties, logit bias, grammar masks, temperature, top-k, top-p, min-p,
+seeded noise, logprobs.
 
 Per-request parameters live in per-slot device tensors written once at admission, so a step moves no
 parameters host-to-device. A request that names a seed draws its noise from a counter-based hash of (seed,
@@ -8,10 +9,13 @@ draw from the device generator (one fast kernel), seeded alike on every TP rank 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from kubesgl.engine.plan import SlotInit
 from kubesgl.engine.transfer import to_device
+from kubesgl.structured.bitmask import apply_token_bitmask_
 from kubesgl.values.sampling import SamplingParams
 
 _M32 = 0xFFFFFFFF
@@ -62,6 +66,12 @@ def seeded_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> 
 
 def _penalized(p: SamplingParams) -> bool:
     return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0)
+
+
+def _needs_eager(p: SamplingParams, filtered: bool) -> bool:
+    """Stages only `sample` has: penalties, logit bias, a grammar mask (applied between forward and sampling),
+    or a filter / client seed on a random row."""
+    return _penalized(p) or bool(p.logit_bias) or p.constraint is not None or (filtered and not p.greedy)
 
 
 def _put(members: set[int], slot: int, member: bool) -> None:
@@ -119,11 +129,12 @@ class Sampler:
             p = s.params
             filtered = p.top_k > 1 or p.top_p < 1.0 or p.min_p > 0 or s.seed_given
             _put(self._random_slots, s.slot, not p.greedy)
-            _put(self._eager_slots, s.slot, _penalized(p) or (filtered and not p.greedy))
+            _put(self._eager_slots, s.slot, _needs_eager(p, filtered))
 
     def graph_mode(self, slots: list[int], top_logprobs: list[int]) -> str | None:
         """ "greedy" or "temperature" when `greedy_tokens`/`temperature_tokens` sample this batch exactly as
-        `sample` would; None when it needs `sample` (penalties, top-k/top-p/min-p, seeds, logprobs)."""
+        `sample` would; None when it needs `sample` (penalties, logit bias, grammars, top-k/top-p/min-p, seeds,
+        logprobs)."""
         if max(top_logprobs, default=-1) >= 0 or not self._eager_slots.isdisjoint(slots):
             return None
         return "greedy" if self._random_slots.isdisjoint(slots) else "temperature"
@@ -135,8 +146,11 @@ class Sampler:
         seq_lens: list[int],  # the sampled token's position, per row
         token_pool: torch.Tensor,  # [slots, max_len] tokens so far (for penalties)
         top_logprobs: list[int],
+        grammar_rows: Sequence[int] = (),
+        bitmask: torch.Tensor | None = None,  # int32 [len(grammar_rows), ceil(V / 32)] on logits' device
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        """Returns (tokens [B], chosen logprob [B] | None, top ids [B, n] | None, top logprobs [B, n] | None)."""
+        """Returns (tokens [B], chosen logprob [B] | None, top ids [B, n] | None, top logprobs [B, n] | None).
+        Logprobs are the model's (before penalties, bias and masks), as OpenAI reports them."""
         host = [self._host[s].params for s in slots]
         seeded = [i for i, s in enumerate(slots) if self._host[s].seed_given]
         slot_t = to_device(slots, torch.int64, logits.device)
@@ -145,6 +159,11 @@ class Sampler:
 
         if any(_penalized(h) for h in host):
             logits = self._apply_penalties(logits, slot_t, seq_lens, token_pool)
+        if any(h.logit_bias for h in host):
+            logits = _add_logit_bias(logits, host)
+        if grammar_rows:
+            assert bitmask is not None
+            logits = _mask_rows(logits, grammar_rows, bitmask)
 
         greedy = [h.greedy for h in host]
         if all(greedy):
@@ -217,3 +236,22 @@ class Sampler:
             g = to_device(greedy, torch.bool, logits.device)
             sampled = torch.where(g, greedy_tokens(logits), sampled)
         return sampled
+
+
+def _add_logit_bias(logits: torch.Tensor, host: list[SamplingParams]) -> torch.Tensor:
+    """logits + each row's (token id, bias) pairs; one scatter for the batch (ids are distinct per row)."""
+    rows = [i for i, h in enumerate(host) for _ in h.logit_bias]
+    ids = [t for h in host for t, _ in h.logit_bias]
+    bias = [b for h in host for _, b in h.logit_bias]
+    r, c = to_device(rows, torch.int64, logits.device), to_device(ids, torch.int64, logits.device)
+    return logits.index_put((r, c), to_device(bias, logits.dtype, logits.device), accumulate=True)
+
+
+def _mask_rows(logits: torch.Tensor, rows: Sequence[int], bitmask: torch.Tensor) -> torch.Tensor:
+    """logits with the grammar rows' banned tokens at -inf (bitmask row j for logits row rows[j]); the other
+    rows are not touched. In place where it can: the logits are this step's own (logprobs were taken)."""
+    if len(rows) == logits.shape[0]:
+        return apply_token_bitmask_(logits, bitmask)
+    idx = to_device(rows, torch.int64, logits.device)
+    masked = apply_token_bitmask_(logits.index_select(0, idx), bitmask)
+    return logits.index_copy(0, idx, masked)

@@ -4,17 +4,24 @@ into per-request outputs. Pure host-side bookkeeping; the runner does the math."
 from __future__ import annotations
 
 import itertools
+import logging
 import random
 from collections import Counter, deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from kubesgl.engine.grammar import EngineGrammars
 from kubesgl.engine.plan import BatchPlan, PromptLogprobRows, SlotInit
 from kubesgl.engine.request import Req, ReqState
-from kubesgl.errors import ContextLengthError, InvalidRequestError
+from kubesgl.errors import ContextLengthError, InvalidRequestError, KubesglError
 from kubesgl.kv.page_pool import PagePool
 from kubesgl.kv.prefix_cache import PrefixCache
+from kubesgl.structured.compiler import CompiledConstraint
+from kubesgl.structured.matcher import GrammarRejectedToken, GrammarState
 from kubesgl.values.outputs import FinishReason, RequestOutput, TokenLogprob
 from kubesgl.values.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -38,8 +45,16 @@ class StepTokens:
 
 
 class Scheduler:
-    def __init__(self, limits: SchedulerLimits, pool: PagePool, cache: PrefixCache, seed: int = 0) -> None:
+    def __init__(
+        self,
+        limits: SchedulerLimits,
+        pool: PagePool,
+        cache: PrefixCache,
+        seed: int = 0,
+        grammars: EngineGrammars | None = None,  # None: the model has no tokenizer, constraints are refused
+    ) -> None:
         self.limits = limits
+        self.grammars = grammars
         self.pool = pool
         self.cache = cache
         self.waiting: deque[Req] = deque()
@@ -83,6 +98,17 @@ class Scheduler:
             raise InvalidRequestError(
                 f"token id {bad} is outside the vocabulary [0, {self.limits.vocab_size})", param="prompt"
             )
+        bad = next((t for t, _ in params.logit_bias if t >= self.limits.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                f"logit_bias token id {bad} is outside the vocabulary [0, {self.limits.vocab_size})",
+                param="logit_bias",
+            )
+        if params.constraint is not None and self.grammars is None:
+            raise InvalidRequestError(
+                "this model directory has no tokenizer, so it cannot constrain outputs to a grammar",
+                param=params.constraint.param,
+            )
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         # The one place an open-ended max_tokens gets its meaning: the server's default, else no cap but the
         # context (every request also stops where the context ends, so the budget is min(N, rest of context)).
@@ -95,6 +121,9 @@ class Scheduler:
             arrival=next(self._arrival),
             max_new_tokens=budget if budget is not None else ctx - n,
         )
+        if params.constraint is not None:
+            assert self.grammars is not None
+            req.grammar_future = self.grammars.submit(params.constraint)
         start = params.logprobs.prompt_start if params.logprobs is not None else None
         if start == 0:
             req.prompt_logprobs.append(TokenLogprob(input_ids[0], None))  # nothing before it to predict it
@@ -118,8 +147,11 @@ class Scheduler:
     def schedule(self) -> tuple[BatchPlan, list[Req]] | None:
         """The next batch: prefill work first (new or chunked requests), else one decode step for all. With
         mixed chunks on, a prefill step also carries every decode-ready request, one token each."""
+        self._resolve_grammars()
         decoding = self._decode_ready()
-        prefill = [r for r in self.running if r.is_prefilling] + [r for r in self.waiting if r.pending == 0]
+        prefill = [r for r in self.running if r.is_prefilling] + [
+            r for r in self.waiting if r.pending == 0 and r.grammar_future is None
+        ]
         scheduled = None
         if prefill and self.limits.enable_mixed_chunk and decoding:
             scheduled = self._schedule_extend(prefill, decoding)
@@ -140,6 +172,30 @@ class Scheduler:
             plan.page_writes[:0] = live
             self._pending_page_writes = []
         return scheduled
+
+    def _resolve_grammars(self) -> None:
+        """Queued requests whose grammar finished compiling get their matcher (or fail, when it did not)."""
+        for req in [r for r in self.waiting if r.grammar_future is not None and r.grammar_future.done()]:
+            future, req.grammar_future = req.grammar_future, None
+            assert future is not None
+            err = future.exception()
+            if err is None:
+                stops = (*self.limits.eos_token_ids, *req.params.stop_token_ids)
+                req.grammar = GrammarState(future.result(), stops)
+                continue
+            self.waiting.remove(req)
+            req.error = err if isinstance(err, KubesglError) else InvalidRequestError(str(err))
+            self._finish(req, FinishReason.ABORT)
+
+    def grammar_pending(self) -> Future[CompiledConstraint] | None:
+        """A grammar some queued request waits for (the engine idles on it when nothing else can run)."""
+        return next((r.grammar_future for r in self.waiting if r.grammar_future is not None), None)
+
+    @staticmethod
+    def grammar_states(plan: BatchPlan, reqs: list[Req]) -> list[GrammarState | None]:
+        """The matchers of the plan's grammar rows, in order (None: the request finished meanwhile)."""
+        sampled = [r for r, s in zip(reqs, plan.sample, strict=True) if s]
+        return [sampled[i].grammar for i in plan.grammar_rows]
 
     def _decode_ready(self) -> list[Req]:
         """Running requests that take a decode step now, oldest first."""
@@ -193,6 +249,8 @@ class Scheduler:
             req.kv_len += chunk
             # max_tokens 0: the prompt's last chunk samples nothing (process() ends the request).
             last = req.kv_len == req.prefill_target and req.max_new_tokens > 0
+            if last and req.grammar is not None:
+                plan.grammar_rows.append(len(plan.sample) - plan.sample.count(False))
             plan.sample.append(last)
             plan.top_logprobs.append(self._top_logprobs(req) if last else -1)
             req.pending += last
@@ -230,6 +288,8 @@ class Scheduler:
             plan.slots.append(req.slot)
             plan.prefix_lens.append(req.kv_len)
             plan.extend_lens.append(1)
+            if req.grammar is not None:
+                plan.grammar_rows.append(len(plan.sample) - plan.sample.count(False))
             plan.sample.append(True)
             plan.top_logprobs.append(self._top_logprobs(req))
             req.kv_len += 1
@@ -320,6 +380,9 @@ class Scheduler:
             self._release(req)
         req.state = ReqState.FINISHED
         req.finish_reason = reason
+        req.grammar = req.grammar_future = (
+            None  # the matcher goes (a shared compile keeps running for others)
+        )
         self._finished_unreported.append(req)
 
     # -- results ---------------------------------------------------------------------------------------
@@ -350,13 +413,31 @@ class Scheduler:
                 req.logprobs.append(out.logprobs[i])
             touched.append(req)
             p = req.params
-            if (tok in eos and not p.ignore_eos) or tok in p.stop_token_ids:
+            if req.grammar is not None and not self._accept(req, tok):
+                continue
+            if (
+                (tok in eos and not p.ignore_eos)
+                or tok in p.stop_token_ids
+                or (req.grammar is not None and req.grammar.finished)
+            ):
                 self._finish(req, FinishReason.STOP)
             elif len(req.output_ids) >= req.max_new_tokens or req.num_known >= self.limits.context_len:
                 self._finish(req, FinishReason.LENGTH)
             elif i < prefilled:  # prefill just completed: share the prompt with later requests
                 self._cache_prefix(req, min(req.prefill_target, req.num_known))
         return [self._output(r) for r in touched if not r.finished] + self.drain_finished()
+
+    def _accept(self, req: Req, tok: int) -> bool:
+        """Advances the request's matcher; a token its grammar refuses (a masking bug) fails only this request."""
+        assert req.grammar is not None
+        try:
+            req.grammar.accept(tok)
+        except GrammarRejectedToken as e:
+            log.error("request %s: %s", req.rid, e)
+            req.error = KubesglError(f"internal error: {e}")
+            self._finish(req, FinishReason.ABORT)
+            return False
+        return True
 
     def drain_finished(self) -> list[RequestOutput]:
         """Outputs of requests finished outside a step (aborts)."""
@@ -396,4 +477,5 @@ class Scheduler:
             finish_reason=req.finish_reason,
             logprobs=lps,
             prompt_logprobs=prompt_lps,
+            error=req.error if req.finished else None,
         )

@@ -225,6 +225,16 @@ def write_config_only(name: str, out_dir: str | Path) -> Path:
     return out
 
 
+def write_serving_config(name: str, out_dir: str | Path) -> Path:
+    """write_config_only() plus the real Qwen3 tokenizer files: a model directory the services can serve with
+    the scheduler's --dummy-weight (the tokenizer and detokenizer need a tokenizer, not the weights)."""
+    out = write_config_only(name, out_dir)
+    src = qwen3_tokenizer_dir()
+    for file in TOKENIZER_FILES:
+        shutil.copyfile(src / file, out / file)
+    return out
+
+
 def cache_dir() -> Path:
     """Where the demo model is built: $KUBESGL_CACHE, else ~/.cache/kubesgl."""
     return Path(os.environ.get("KUBESGL_CACHE") or Path.home() / ".cache" / "kubesgl")

@@ -1,23 +1,40 @@
 """Validates an OpenAI (or native) request body into what one generation needs: SamplingParams, stop strings,
-fan-out `n`, and streaming options. Every accepted field is honoured here or rejected with a 400 naming it."""
+fan-out `n`, and streaming options. Every accepted field is honoured here or rejected with a 400 naming it.
+A grammar constraint is checked here by xgrammar (no vocabulary, milliseconds): one it cannot build is a 400
+naming the field before the request is admitted anywhere."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from kubesgl.errors import InvalidRequestError
 from kubesgl.openai_api.request_models import (
     ChatCompletionRequest,
     CompletionRequest,
     NativeGenerateRequest,
+    ResponseFormat,
     SamplingFields,
 )
+from kubesgl.openai_api.tool_constraint import function_tools
+from kubesgl.structured.constraint import check_constraint
+from kubesgl.values.constraint import Constraint
 from kubesgl.values.sampling import MAX_TOP_LOGPROBS, LogprobOptions, SamplingParams
 
 MAX_N = 128  # also the cap on choices x prompts of one request
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256  # hold-back scans are quadratic in a stop string's length
 _INT64 = 2**63  # the wire (msgpack) carries 64-bit integers
+
+
+@dataclass(frozen=True)
+class ToolUse:
+    """A chat request's tools, checked: function tools, and `choice` one of "none", "auto", "required" or
+    {"type": "function", "function": {"name": ...}} naming one of them ("auto" when tools came without it)."""
+
+    tools: tuple[dict[str, Any], ...] = ()
+    choice: str | dict[str, Any] = "none"
+    parallel: bool = True
 
 
 @dataclass(frozen=True)
@@ -36,6 +53,7 @@ class GenerationSpec:
     include_usage: bool = False
     logprobs: bool = False
     echo: bool = False
+    tool_use: ToolUse = field(default_factory=ToolUse)
 
     def params_for_choice(self, index: int) -> SamplingParams:
         # Distinct seeds keep n seeded samples different yet reproducible; choice 0 keeps the request's seed.
@@ -45,17 +63,11 @@ class GenerationSpec:
 
 
 def chat_spec(req: ChatCompletionRequest) -> GenerationSpec:
+    _reject_if(bool(req.functions), "functions", "functions is deprecated by OpenAI; use tools")
     _reject_if(
-        req.response_format is not None and req.response_format.type != "text",
-        "response_format",
-        "only response_format type 'text' is supported",
-    )
-    for name in ("tools", "functions"):
-        _reject_if(bool(getattr(req, name)), name, f"{name} (function calling) is not supported")
-    for name in ("tool_choice", "function_call"):
-        _reject_if(getattr(req, name) not in (None, "none"), name, f"{name} is not supported")
-    _reject_if(
-        req.parallel_tool_calls is not None, "parallel_tool_calls", "parallel_tool_calls is not supported"
+        req.function_call not in (None, "none"),
+        "function_call",
+        "function_call is deprecated; use tool_choice",
     )
     _reject_if(
         req.top_logprobs is not None and not req.logprobs,
@@ -71,7 +83,43 @@ def chat_spec(req: ChatCompletionRequest) -> GenerationSpec:
     )
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     top = req.top_logprobs or 0
-    return _spec(req, max_tokens, bool(req.logprobs), top, "top_logprobs")
+    return replace(_spec(req, max_tokens, bool(req.logprobs), top, "top_logprobs"), tool_use=_tool_use(req))
+
+
+def _tool_use(req: ChatCompletionRequest) -> ToolUse:
+    tools = req.tools or []
+    declared = function_tools(tools)  # 400s naming tools[i].function.name / .parameters
+    names = {t.name for t in declared}
+    choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
+    if isinstance(choice, dict):
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        _reject_if(
+            choice.get("type") != "function"
+            or not isinstance(name, str)
+            or set(choice) != {"type", "function"},
+            "tool_choice",
+            "a named tool_choice is {'type': 'function', 'function': {'name': ...}}",
+        )
+        _reject_if(name not in names, "tool_choice", f"tool_choice names {name!r}, which is not in tools")
+    else:
+        _reject_if(
+            choice not in ("none", "auto", "required"),
+            "tool_choice",
+            f"tool_choice must be 'none', 'auto', 'required' or a named function (got {choice!r})",
+        )
+        _reject_if(choice != "none" and not tools, "tool_choice", f"tool_choice {choice!r} needs tools")
+    # The schemas a grammar will enforce must compile: a 400 naming the one that does not, before admission.
+    enforced = [i for i, t in enumerate(declared) if choice == "required" or _named(choice) == t.name]
+    for i in enforced:
+        where = f"tools[{i}].function.parameters"
+        check_constraint(Constraint.json_schema(declared[i].parameters, param=where))
+    parallel = True if req.parallel_tool_calls is None else req.parallel_tool_calls
+    return ToolUse(tuple(tools), choice, parallel)
+
+
+def _named(choice: str | dict[str, Any]) -> str | None:
+    return choice["function"]["name"] if isinstance(choice, dict) else None
 
 
 def completion_spec(req: CompletionRequest) -> GenerationSpec:
@@ -119,6 +167,11 @@ def native_spec(req: NativeGenerateRequest) -> GenerationSpec:
         )
         if req.return_logprob
         else None,
+        constraint=request_constraint(
+            None,
+            [("sampling_params.json_schema", sp.json_schema), ("sampling_params.regex", sp.regex)]
+            + [("sampling_params.ebnf", sp.ebnf)],
+        ),
     )
     _validate(params, {"max_tokens": "sampling_params.max_new_tokens"})
     return GenerationSpec(
@@ -134,7 +187,6 @@ def _spec(
     top_logprobs_param: str,
     min_tokens: int = 1,
 ) -> GenerationSpec:
-    _reject_if(bool(req.logit_bias), "logit_bias", "logit_bias is not supported")
     _reject_if(req.best_of not in (None, 1), "best_of", "best_of > 1 is not supported")
     _reject_if(
         max_tokens is not None and max_tokens < min_tokens,
@@ -167,6 +219,11 @@ def _spec(
         stop_token_ids=tuple(req.stop_token_ids or ()),
         ignore_eos=req.ignore_eos,
         logprobs=LogprobOptions(top=top_logprobs) if logprobs else None,
+        logit_bias=_logit_bias(req.logit_bias),
+        constraint=request_constraint(
+            req.response_format,
+            [("json_schema", req.json_schema), ("regex", req.regex), ("ebnf", req.ebnf)],
+        ),
     )
     _validate(params, {"top_logprobs": top_logprobs_param})
     include_usage = req.stream_options is not None and bool(req.stream_options.include_usage)
@@ -177,6 +234,58 @@ def engine_seed(seed: int | None) -> int | None:
     """OpenAI takes any int64 seed; the engine's are [0, 2**63): a negative seed maps to seed + 2**63, so
     each int64 seed names one engine seed, the same every time (a negative one shares it with one positive)."""
     return None if seed is None else seed % _INT64
+
+
+def request_constraint(
+    response_format: ResponseFormat | None, extensions: list[tuple[str, str | None]]
+) -> Constraint | None:
+    """The one grammar a request names (response_format json_object / json_schema, or SGLang's json_schema,
+    regex and ebnf extensions, given as (field, value)), checked by xgrammar; None when it names none."""
+    found: list[Constraint] = []
+    if response_format is not None and response_format.type == "json_object":
+        found.append(Constraint("json_object", param="response_format"))
+    elif response_format is not None and response_format.type == "json_schema":
+        fmt = response_format.json_schema
+        _reject_if(
+            fmt is None, "response_format.json_schema", "response_format json_schema needs json_schema"
+        )
+        assert fmt is not None
+        if fmt.schema_ is None:  # OpenAI's schema lets it out: any JSON object then
+            found.append(Constraint("json_object", param="response_format.json_schema"))
+        else:
+            found.append(Constraint.json_schema(fmt.schema_, param="response_format.json_schema.schema"))
+    for name, value in extensions:
+        if value is None:
+            continue
+        kind = name.rsplit(".", 1)[-1]
+        found.append(
+            Constraint.json_schema(value, param=name)
+            if kind == "json_schema"
+            else Constraint(kind, value, name)  # type: ignore[arg-type]
+        )
+    if not found:
+        return None
+    if len(found) > 1:
+        names = ", ".join(c.param for c in found)
+        raise InvalidRequestError(
+            f"send at most one of response_format (json_object, json_schema), json_schema, regex, ebnf (got {names})",
+            param=found[1].param,
+        )
+    check_constraint(found[0])
+    return found[0]
+
+
+def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias} as (id, bias) pairs; ids against the vocabulary are the engine's check."""
+    pairs = []
+    for key, value in (bias or {}).items():
+        _reject_if(
+            not key.isascii() or not key.isdigit() or len(key) > 18,
+            "logit_bias",
+            f"logit_bias keys must be token ids (non-negative integers as strings); got {key[:40]!r}",
+        )
+        pairs.append((int(key), float(value)))
+    return tuple(pairs)
 
 
 def _stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:

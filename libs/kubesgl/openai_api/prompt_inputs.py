@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 from kubesgl.errors import InvalidRequestError
 from kubesgl.openai_api import request_models
-from kubesgl.protocol import ChatMessage
+from kubesgl.openai_api.chat_history import template_messages
+from kubesgl.protocol import ChatMessage, ChatToolCall, json_value_error
 
 MAX_BATCH_PROMPTS = 64
 
@@ -21,14 +22,18 @@ class PromptInput:
 
 
 def chat_messages(messages: list[request_models.ChatMessage]) -> tuple[ChatMessage, ...]:
-    """Text parts are joined with newlines (vLLM's rule); "developer" is OpenAI's newer name for "system"."""
-    return tuple(
-        ChatMessage(
-            role="system" if msg.role == "developer" else msg.role,
-            content=msg.content if isinstance(msg.content, str) else "\n".join(p.text for p in msg.content),
-        )
-        for msg in messages
-    )
+    """The messages as the template takes them (`chat_history.template_messages`: text parts joined, developer
+    as system, tool-call arguments parsed, a tool result named after its call); a 400 names what it cannot."""
+    out = []
+    for i, m in enumerate(template_messages([msg.model_dump(exclude_none=True) for msg in messages])):
+        calls = []
+        for j, tc in enumerate(m.get("tool_calls", ())):
+            where = f"messages[{i}].tool_calls[{j}].function.arguments"
+            if error := json_value_error(tc["function"]["arguments"], where):  # it travels as msgpack
+                raise InvalidRequestError(error, param=where)
+            calls.append(ChatToolCall(tc["function"]["name"], tc["function"]["arguments"], tc.get("id")))
+        out.append(ChatMessage(m["role"], m["content"], m.get("name"), tuple(calls), m.get("tool_call_id")))
+    return tuple(out)
 
 
 # OpenAI's default prompt (the document separator its models were trained with): a model then writes as if

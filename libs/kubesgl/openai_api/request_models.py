@@ -45,6 +45,22 @@ class StreamOptions(StrictModel):
     include_obfuscation: bool | None = None
 
 
+class JsonSchemaFormat(StrictModel):
+    """response_format.json_schema. `strict` is accepted either way: the output always follows the schema."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: str  # OpenAI's label for the schema; it changes nothing here
+    description: str | None = None
+    schema_: JsonObject | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(StrictModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class SamplingFields(StrictModel):
     """Fields shared by /v1/chat/completions and /v1/completions (OpenAI names plus the vLLM/SGLang extensions)."""
 
@@ -65,8 +81,14 @@ class SamplingFields(StrictModel):
     seed: Int | None = None
     ignore_eos: bool = False
     user: ShortStr | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    # Structured outputs: OpenAI's response_format (also on completions, as SGLang), and SGLang's extensions
+    # (a JSON schema as text, a regex, an EBNF grammar); at most one per request.
+    response_format: ResponseFormat | None = None
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
     # Known OpenAI fields we do not implement: accepted only at their neutral value, otherwise a 400 naming them.
-    logit_bias: dict[str, float] | None = None
     best_of: Int | None = None
 
 
@@ -75,13 +97,26 @@ class TextPart(StrictModel):
     text: str
 
 
+class FunctionCall(StrictModel):
+    name: ShortStr
+    arguments: str  # JSON text, as OpenAI sends it back (chat_history parses it for the template)
+
+
+class AssistantToolCall(StrictModel):
+    id: ShortStr
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(StrictModel):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    """`content` may be null only on an assistant turn (one that called tools); a `tool` turn names the call it
+    answers by `tool_call_id`. Those rules, and the arguments being JSON, are `chat_history`'s to check."""
 
-
-class ResponseFormat(StrictModel):
-    type: ShortStr
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: ShortStr | None = None
+    tool_calls: list[AssistantToolCall] | None = None
+    tool_call_id: ShortStr | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -91,7 +126,6 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: Int | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: JsonObject | None = None
-    response_format: ResponseFormat | None = None
     tools: list[JsonObject] | None = None
     tool_choice: ShortStr | JsonObject | None = None
     parallel_tool_calls: bool | None = None
@@ -121,6 +155,9 @@ class NativeSamplingParams(StrictModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[Int] | None = None
     ignore_eos: bool = False
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
 
 class NativeGenerateRequest(StrictModel):

@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from kubesgl.openai_api.logprobs import chat_logprobs, completion_logprobs, native_logprobs
+from kubesgl.openai_api.tool_calls import ParsedOutput
 from kubesgl.values.outputs import FinishReason, TokenLogprob
 
 
@@ -47,22 +49,37 @@ def usage_of(choices: list[ChoiceResult], num_prompts: int = 1) -> dict[str, Any
     )
 
 
-def chat_response(rid: str, created: int, model: str, choices: list[ChoiceResult]) -> dict[str, Any]:
+def chat_response(
+    rid: str,
+    created: int,
+    model: str,
+    choices: list[ChoiceResult],
+    tool_outputs: Mapping[int, ParsedOutput] | None = None,
+) -> dict[str, Any]:
+    """`tool_outputs`: the choices whose text was parsed for tool calls, by index."""
     return {
         "id": rid,
         "object": "chat.completion",
         "created": created,
         "model": model,
-        "choices": [
-            {
-                "index": c.index,
-                "message": {"role": "assistant", "content": c.text, "refusal": None},
-                "logprobs": None if c.logprobs is None else chat_logprobs(c.logprobs),
-                "finish_reason": c.finish_reason,
-            }
-            for c in choices
-        ],
+        "choices": [_chat_choice(c, (tool_outputs or {}).get(c.index)) for c in choices],
         "usage": usage_of(choices),
+    }
+
+
+def _chat_choice(c: ChoiceResult, parsed: ParsedOutput | None) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": c.text, "refusal": None}
+    finish_reason: str | None = c.finish_reason
+    if parsed is not None:
+        message["content"] = parsed.content
+        if parsed.tool_calls:
+            message["tool_calls"] = [call.to_openai() for call in parsed.tool_calls]
+        finish_reason = parsed.finish_reason(c.finish_reason) if c.finish_reason is not None else None
+    return {
+        "index": c.index,
+        "message": message,
+        "logprobs": None if c.logprobs is None else chat_logprobs(c.logprobs),
+        "finish_reason": finish_reason,
     }
 
 
@@ -94,8 +111,9 @@ def chat_chunk(
     index: int,
     delta: dict[str, Any],
     logprobs: list[TokenLogprob] | None = None,
-    finish_reason: FinishReason | None = None,
+    finish_reason: str | None = None,
 ) -> dict[str, Any]:
+    """`finish_reason`: a FinishReason, or "tool_calls" when the choice ended after calling tools."""
     return {
         "id": rid,
         "object": "chat.completion.chunk",

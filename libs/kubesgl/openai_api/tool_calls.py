@@ -100,8 +100,12 @@ class ParsedOutput:
     tool_calls: tuple[ToolCall, ...] = ()
 
     def finish_reason(self, engine_reason: str) -> str:
-        """ "tool_calls" when calls were made and the output ended by itself; "length" stays "length"."""
-        return "tool_calls" if self.tool_calls and engine_reason == "stop" else engine_reason
+        return tool_finish_reason(bool(self.tool_calls), engine_reason)
+
+
+def tool_finish_reason(made_calls: bool, engine_reason: str) -> str:
+    """ "tool_calls" when calls were made and the output ended by itself; "length" stays "length"."""
+    return "tool_calls" if made_calls and engine_reason == "stop" else engine_reason
 
 
 def parse_tool_calls(

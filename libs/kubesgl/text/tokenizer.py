@@ -33,6 +33,19 @@ class ModelTokenizer:
     def has_chat_template(self) -> bool:
         return bool(getattr(self.hf, "chat_template", None))
 
+    @property
+    def chat_template_text(self) -> str:
+        """The chat template's source; a tokenizer with named templates (e.g. `default` and `tool_use`) gives
+        them all, one after another (what a reader looks for in it is the markup its templates write)."""
+        template = getattr(self.hf, "chat_template", None) or ""
+        return "\n".join(template.values()) if isinstance(template, dict) else str(template)
+
+    @cached_property
+    def special_tokens(self) -> frozenset[str]:
+        """The text of every added token (special ones like `<|python_tag|>` or `[TOOL_CALLS]` among them)."""
+        decoder = getattr(self.hf, "added_tokens_decoder", {}) or {}
+        return frozenset(str(getattr(t, "content", t)) for t in decoder.values())
+
     def encode(self, text: str) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=True))
 

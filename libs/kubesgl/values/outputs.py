@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
+from kubesgl.errors import KubesglError
+
 
 class FinishReason(StrEnum):
     STOP = "stop"  # an EOS or stop token (the gateway also ends a choice on a stop string)
@@ -41,6 +43,7 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None
     # With LogprobOptions.prompt_start: the prompt tokens' from there on, once, on the request's first output.
     prompt_logprobs: list[TokenLogprob] | None = None
+    error: KubesglError | None = None  # why a request ended with ABORT inside the engine (its grammar failed)
 
 
 @dataclass(frozen=True)

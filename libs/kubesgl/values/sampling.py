@@ -7,8 +7,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kubesgl.errors import InvalidRequestError
+from kubesgl.values.constraint import Constraint
 
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on each bias
+MAX_LOGIT_BIAS_ENTRIES = 1024  # more is a mistake: each biased id costs the sampler a write
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,8 @@ class SamplingParams:
     `max_tokens` None means until the context ends (OpenAI's default), capped by the server's
     --default-max-tokens when one is set; the engine resolves it when it admits the request. 0 means prefill
     only (prompt logprobs with echo): the request ends after its prompt, with no token generated.
+    `logit_bias`: (token id, bias) pairs added to the logits before sampling (ids distinct, checked against
+    the vocabulary by the engine). `constraint`: the grammar the output must match (structured outputs).
     """
 
     max_tokens: int | None = 16
@@ -46,6 +51,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: LogprobOptions | None = None  # None: no logprobs
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    constraint: Constraint | None = None
 
     @property
     def greedy(self) -> bool:
@@ -101,3 +108,26 @@ class SamplingParams:
         for ok, field, value, why in checks:
             if not ok:
                 raise InvalidRequestError(f"{field} {why} (got {value!r})", param=field)
+        self._validate_logit_bias()
+        if self.constraint is not None and not isinstance(self.constraint, Constraint):
+            raise InvalidRequestError(
+                f"constraint must be a Constraint or None (got {self.constraint!r})", param="constraint"
+            )
+
+    def _validate_logit_bias(self) -> None:
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise InvalidRequestError(
+                f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS_ENTRIES}",
+                param="logit_bias",
+            )
+        seen: set[int] = set()
+        for token_id, bias in self.logit_bias:
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise InvalidRequestError(
+                    f"logit_bias for token {token_id} must be in [-100, 100] (got {bias!r})",
+                    param="logit_bias",
+                )
+            if token_id < 0 or token_id in seen:
+                why = "is negative" if token_id < 0 else "appears twice"
+                raise InvalidRequestError(f"logit_bias token id {token_id} {why}", param="logit_bias")
+            seen.add(token_id)

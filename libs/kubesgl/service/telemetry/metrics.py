@@ -447,7 +447,7 @@ class GatewayMetrics:
         # Same buckets as the scheduler's sglang:* histograms so the two can be compared bucket by bucket.
         self._ttft = Histogram(
             "kubesgl_gateway_time_to_first_token_seconds",
-            "Time from receiving the HTTP request to sending its first token.",
+            "Time from the HTTP request's arrival (before its body is read) to sending its first token.",
             ["model"],
             buckets=TTFT_BUCKETS,
             registry=registry,
@@ -466,21 +466,28 @@ class GatewayMetrics:
             registry=registry,
         )
 
-    def request(self, model: str, endpoint: str) -> GatewayRequestMetrics:
+    def request(self, model: str, endpoint: str, start: float | None = None) -> GatewayRequestMetrics:
         """Starts timing one HTTP request. `model` must be a served model id or "unknown" (an arbitrary
-        client string would make label values unbounded); `endpoint` the route, e.g. "/v1/chat/completions"."""
-        return GatewayRequestMetrics(self, model, endpoint)
+        client string would make label values unbounded); `endpoint` the route, e.g. "/v1/chat/completions";
+        `start` the request's arrival (time.perf_counter(); default now)."""
+        return GatewayRequestMetrics(self, model, endpoint, start)
 
 
 class GatewayRequestMetrics:
-    """One HTTP request's timer: in flight from creation until finish()."""
+    """One HTTP request's timer: in flight from creation until finish(). Its labelled series are looked up
+    once here, not per token (a labels() call cost more than the observation it selects)."""
 
-    def __init__(self, metrics: GatewayMetrics, model: str, endpoint: str) -> None:
+    def __init__(
+        self, metrics: GatewayMetrics, model: str, endpoint: str, start: float | None = None
+    ) -> None:
         self._m = metrics
         self._model, self._endpoint = model, endpoint
-        self._start = time.perf_counter()
+        self._start = time.perf_counter() if start is None else start
         self._last_token: float | None = None
         self._finished = False
+        self._ttft = metrics._ttft.labels(model=model)
+        self._itl = metrics._itl.labels(model=model)
+        self._tokens = metrics._tokens.labels(model=model)
         self.tokens = 0  # completion tokens sent so far
         self.ttft_s: float | None = None
         metrics._in_flight.labels(model=model).inc()
@@ -493,13 +500,13 @@ class GatewayRequestMetrics:
         self.tokens += n
         if self._last_token is None:
             self.ttft_s = now - self._start
-            self._m._ttft.labels(model=self._model).observe(self.ttft_s)
+            self._ttft.observe(self.ttft_s)
         else:
             per_token = (now - self._last_token) / n
             for _ in range(n):
-                self._m._itl.labels(model=self._model).observe(per_token)
+                self._itl.observe(per_token)
         self._last_token = now
-        self._m._tokens.labels(model=self._model).inc(n)
+        self._tokens.inc(n)
 
     def finish(self, status: int) -> None:
         """The response ended with HTTP `status` (for a stream: 200, or the error status sent in it).

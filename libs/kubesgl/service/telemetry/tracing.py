@@ -42,6 +42,7 @@ ATTR_CACHED_TOKENS = "kubesgl.cached_tokens"
 ATTR_INSTANCE = "kubesgl.scheduler.instance"
 ATTR_RID = "kubesgl.rid"
 ATTR_SEQ = "kubesgl.seq"
+ATTR_TTFT = "kubesgl.ttft_s"  # on the gateway's span: its time to first token, as its histogram saw it
 
 _ENDPOINT_VARS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 # W3C trace context only: the one header the wire protocol carries.
