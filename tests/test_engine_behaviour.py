@@ -46,6 +46,7 @@ def test_shared_prefix_is_served_from_cache(model: str, page_size: int) -> None:
     assert again["token_ids"] == second["token_ids"]
 
 
+@pytest.mark.slow  # 15-130 s on 2 busy cores: `make test` runs it, `make test-fast` does not
 def test_memory_pressure_evicts_and_preempts_without_changing_outputs(model: str) -> None:
     prompts = [_prompt(30 + i, seed=10 + i) for i in range(12)]
     sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
@@ -118,6 +119,7 @@ def _first_divergence(a: list[int], b: list[int]) -> int:
     return next(i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y)
 
 
+@pytest.mark.slow  # 15-130 s on 2 busy cores: `make test` runs it, `make test-fast` does not
 def test_penalties_discourage_repeats(model: str) -> None:
     p = _prompt(15, 7)
 

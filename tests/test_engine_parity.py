@@ -62,6 +62,7 @@ def test_greedy_matches_hf(arch: str, models: dict[str, str], references: dict) 
     ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()),
 )
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+@pytest.mark.slow  # 10-35 s on 2 busy cores: `make test` runs it, `make test-fast` does not
 def test_greedy_matches_hf_under_engine_configs(
     arch: str, config: dict, models: dict, references: dict
 ) -> None:
@@ -69,6 +70,7 @@ def test_greedy_matches_hf_under_engine_configs(
         _check(llm, references[arch])
 
 
+@pytest.mark.slow  # 10-35 s on 2 busy cores: `make test` runs it, `make test-fast` does not
 def test_batch_of_one_equals_batch_of_sixteen(models: dict[str, str]) -> None:
     prompts = _prompts(16, seed=7)
     sp = SamplingParams(max_tokens=N_NEW, temperature=0, ignore_eos=True)
@@ -79,6 +81,7 @@ def test_batch_of_one_equals_batch_of_sixteen(models: dict[str, str]) -> None:
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+@pytest.mark.slow  # 10-35 s on 2 busy cores: `make test` runs it, `make test-fast` does not
 def test_tp2_matches_tp1(arch: str, models: dict[str, str], references: dict) -> None:
     with LLM(models[arch], tp_size=2, page_size=4) as llm:
         _check(llm, references[arch])

@@ -34,6 +34,7 @@ from kubesgl.protocol import (
 from kubesgl.service.nats_server import NatsServer
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from waiting import wait_until_async
 
 MODEL = "fake-model"
 
@@ -157,12 +158,13 @@ async def _mesh_for(
     mesh = FakeMeshForGatewayTest(await nats.connect(nats_url), instance)
     await mesh.start()
     async with httpx.AsyncClient(headers=headers) as client:
-        for _ in range(100):
+
+        async def serves_model() -> bool:
             r = await client.get(f"{gw.url}/v1/models")
-            if any(m["id"] == MODEL for m in r.json()["data"]):
-                return mesh
-            await asyncio.sleep(0.1)
-    raise TimeoutError("the gateway never saw the fake scheduler's heartbeat")
+            return any(m["id"] == MODEL for m in r.json()["data"])
+
+        await wait_until_async(serves_model, "the gateway saw the fake scheduler's heartbeat", interval_s=0.1)
+    return mesh
 
 
 @pytest.fixture
@@ -227,8 +229,9 @@ async def test_deltas_from_a_second_instance_are_dropped_and_that_instance_abort
         r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
     assert r.json()["choices"][0]["text"] == "ok"
     rid = mesh.requests[-1].rid
-    await asyncio.sleep(0.3)
-    assert any(a.instance_id == "sched-z" for a in mesh.aborted(rid))
+    await wait_until_async(
+        lambda: any(a.instance_id == "sched-z" for a in mesh.aborted(rid)), "the foreign instance is aborted"
+    )
 
 
 async def test_a_lost_admission_reply_is_retried_with_the_same_rid(gateway, mesh) -> None:
@@ -314,8 +317,7 @@ async def test_a_stop_string_truncates_the_text_and_aborts_the_scheduler(gateway
     texts = [e["choices"][0]["text"] for e in events if isinstance(e, dict)]
     assert "".join(texts) == "Hello world! " and not any("ST" in t for t in texts)
     assert events[-2]["choices"][0]["finish_reason"] == "stop"
-    await asyncio.sleep(0.3)
-    assert mesh.aborted(mesh.requests[-1].rid)
+    await wait_until_async(lambda: mesh.aborted(mesh.requests[-1].rid), "the stopped request is aborted")
 
 
 async def test_n_fans_out_into_indexed_child_requests(gateway, mesh) -> None:
@@ -357,11 +359,7 @@ async def test_client_disconnect_mid_stream_aborts_the_request(gateway, mesh) ->
             if "first" in line:
                 break
     rid = mesh.requests[-1].rid
-    for _ in range(50):
-        if mesh.aborted(rid):
-            break
-        await asyncio.sleep(0.1)
-    assert mesh.aborted(rid)
+    await wait_until_async(lambda: mesh.aborted(rid), "the disconnected request is aborted", timeout_s=5.0)
 
 
 async def test_client_disconnect_while_waiting_non_streaming_aborts(gateway, mesh) -> None:
@@ -370,11 +368,7 @@ async def test_client_disconnect_while_waiting_non_streaming_aborts(gateway, mes
         with pytest.raises(httpx.ReadTimeout):
             await client.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
     rid = mesh.requests[-1].rid
-    for _ in range(50):
-        if mesh.aborted(rid):
-            break
-        await asyncio.sleep(0.1)
-    assert mesh.aborted(rid)
+    await wait_until_async(lambda: mesh.aborted(rid), "the disconnected request is aborted", timeout_s=5.0)
 
 
 async def test_the_deadline_header_ends_a_silent_request_with_504(gateway, mesh) -> None:
@@ -463,10 +457,12 @@ async def test_a_request_still_running_survives_a_nats_restart(gateway, nats_srv
 
 async def test_no_scheduler_means_503_with_retry_after_and_not_ready(gateway) -> None:
     async with httpx.AsyncClient(base_url=gateway.url, timeout=20) as client:
-        for _ in range(60):  # earlier tests' fake schedulers expire from the registry
-            if (await client.get("/ready")).status_code == 503:
-                break
-            await asyncio.sleep(0.1)
+
+        async def not_ready() -> bool:
+            return (await client.get("/ready")).status_code == 503
+
+        # Earlier tests' fake schedulers expire from the registry.
+        await wait_until_async(not_ready, "/ready says no scheduler is live", timeout_s=6.0, interval_s=0.1)
         r = await client.post("/v1/chat/completions", json=_chat())
         assert (await client.get("/health")).status_code == 200
     assert (
@@ -524,8 +520,15 @@ async def test_api_keys_body_limit_and_per_key_concurrency(guarded_gateway, nats
                 assert (
                     await client.post("/v1/chat/completions", json=_chat(), headers=other)
                 ).status_code == 200
-            await asyncio.sleep(0.3)  # the closed stream releases its slot
-            assert (await client.post("/v1/chat/completions", json=_chat(), headers=auth)).status_code == 200
+
+            async def admitted() -> bool:
+                return (
+                    await client.post("/v1/chat/completions", json=_chat(), headers=auth)
+                ).status_code == 200
+
+            await wait_until_async(
+                admitted, "the closed stream releases its slot", timeout_s=5.0, interval_s=0.05
+            )
     finally:
         await mesh.stop()
 
@@ -547,10 +550,11 @@ async def test_gateway_is_alive_before_nats_and_ready_after(tmp_path: Path) -> N
             early = await client.post("/v1/chat/completions", json=_chat())
             assert early.status_code == 503 and "connecting to NATS" in early.json()["error"]["message"]
             server.start()
-            for _ in range(100):
-                if (await client.get("/v1/models")).status_code == 200:
-                    break
-                await asyncio.sleep(0.1)
+
+            async def models_served() -> bool:
+                return (await client.get("/v1/models")).status_code == 200
+
+            await wait_until_async(models_served, "the gateway connects to the late NATS", interval_s=0.1)
             assert (await client.get("/v1/models")).json() == {"object": "list", "data": []}
     finally:
         gw.stop()

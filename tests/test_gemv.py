@@ -132,6 +132,7 @@ def test_gemv_of_an_empty_batch_is_empty() -> None:
 
 @cpu_interpreter
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2", "qwen3_moe"])
+@pytest.mark.slow  # 15-130 s on 2 busy cores: `make test` runs it, `make test-fast` does not
 def test_decoder_on_the_triton_gemv_equals_the_decoder_on_f_linear(
     arch: str, tmp_path_factory: pytest.TempPathFactory
 ) -> None:

@@ -231,6 +231,7 @@ def _tokens(run: Run) -> list[list[int]]:
     ],
     ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "defaults",
 )
+@pytest.mark.slow  # 10-35 s on 2 busy cores: `make test` runs it, `make test-fast` does not
 def test_greedy_tokens_equal_with_and_without_mixing(model: str, config: dict) -> None:
     off = _generate(model, GREEDY, mixed=False, **config)
     on = _generate(model, GREEDY, mixed=True, **config)
@@ -246,6 +247,7 @@ def test_greedy_tokens_equal_with_and_without_mixing(model: str, config: dict) -
         assert any(o["cached_tokens"] for o in on.outs)
 
 
+@pytest.mark.slow  # 10-35 s on 2 busy cores: `make test` runs it, `make test-fast` does not
 def test_sampling_in_mixed_decode_rows_equals_the_decode_step(model: str) -> None:
     """Seeded noise is keyed by (seed, position, token), so the rows draw the same tokens in a mixed step as in
     a decode step; penalties read the same history; logprobs are of the same logits."""
@@ -306,6 +308,7 @@ def test_abort_mid_mixed_steps_frees_everything(model: str) -> None:
         assert s.available_pages == s.total_pages and s.num_running == 0
 
 
+@pytest.mark.slow  # 10-35 s on 2 busy cores: `make test` runs it, `make test-fast` does not
 def test_tp2_mixed_matches_tp1_unmixed(model: str) -> None:
     off = _generate(model, GREEDY, mixed=False, page_size=4)
     on = _generate(model, GREEDY, mixed=True, page_size=4, tp_size=2)
@@ -314,6 +317,7 @@ def test_tp2_mixed_matches_tp1_unmixed(model: str) -> None:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests run Triton compiled")
+@pytest.mark.slow  # 10-35 s on 2 busy cores: `make test` runs it, `make test-fast` does not
 def test_triton_backend_in_the_interpreter_equal_with_and_without_mixing(model: str) -> None:
     """The Triton extend kernel attends the mixed step's one-token decode rows (CPU: Triton's interpreter)."""
     params = replace(GREEDY, max_tokens=6)

@@ -80,6 +80,7 @@ def run_tp(paths: list[Path], size: int, linear: str = "torch") -> dict[str, tor
     return out
 
 
+@pytest.mark.slow  # 10-35 s on 2 busy cores: `make test` runs it, `make test-fast` does not
 def test_tp2_logits_match_tp1(tmp_path: Path) -> None:
     paths = [
         build_random_model("qwen3", tmp_path / "qwen3"),  # tied head, KV heads split 1 per rank
@@ -98,6 +99,7 @@ def test_tp2_logits_match_tp1(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs the GEMV on CPU tensors only")
+@pytest.mark.slow  # 10-35 s on 2 busy cores: `make test` runs it, `make test-fast` does not
 def test_tp2_on_the_triton_gemv_matches_tp1(tmp_path: Path) -> None:
     """Sharded projections through the Triton GEMV (Triton's interpreter): column-parallel shards take the
     fused norm prologue (Qwen2: with the qkv bias in the epilogue), the row-parallel down projection the SiLU

@@ -163,6 +163,7 @@ def test_gumbel_kernel_picks_across_vocab_splits_first_index_on_ties() -> None:
     assert tokens.tolist() == logits.argmax(dim=-1).tolist() == [2 * SPLIT + 999, 100, SPLIT + 7, SPLIT - 1]
 
 
+@pytest.mark.slow  # 15-130 s on 2 busy cores: `make test` runs it, `make test-fast` does not
 def test_gumbel_kernel_samples_softmax_of_logits_over_temperature() -> None:
     rows, temperature = 300, 0.7
     base = torch.tensor([1.0, 0.0, -1.0, 0.5, 0.2])

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import nats
 import pytest
@@ -32,6 +32,7 @@ from kubesgl.values.sampling import SamplingParams
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from prometheus_client import CollectorRegistry
+from waiting import wait_until_async
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -118,7 +119,7 @@ class Bus:
             detok_batch_size=detok_batch_size,
         )
         await self.service.start()
-        await _until(self.service.ready, "the scheduler heartbeats")
+        await wait_until_async(self.service.ready, "the scheduler heartbeats")
 
     async def start_detokenizer(self) -> None:
         nc = await self.connect()
@@ -161,7 +162,7 @@ class Bus:
         def finished() -> bool:
             return {d.rid for d in self.text_deltas if d.finished} >= set(rids)
 
-        await _until(finished, "every request's final delta reached its gateway")
+        await wait_until_async(finished, "every request's final delta reached its gateway")
         out = {}
         for rid in rids:
             stream = GatewayStream(rid)
@@ -189,13 +190,6 @@ class Bus:
             await self.service.drain(1.0)
         for c in self.conns:
             await c.close()
-
-
-async def _until(cond: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
-    end = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < end, f"timed out waiting until {what}"
-        await asyncio.sleep(0.005)
 
 
 @pytest.fixture
@@ -228,7 +222,7 @@ async def test_one_engine_step_of_n_running_requests_is_one_message_on_the_detok
     rids = await bus.admit(n, max_tokens=len(ids[0]))
     for k in range(len(ids[0])):
         bus.step(_outputs(rids, ids, k))
-        await _until(lambda k=k: len(bus.batches) == k + 1, f"step {k}'s batch is on the bus")
+        await wait_until_async(lambda k=k: len(bus.batches) == k + 1, f"step {k}'s batch is on the bus")
         entries = [p.TokenDelta.from_bytes(e) for e in p.TokenDeltaBatch.from_bytes(bus.batches[-1]).deltas]
         assert [e.rid for e in entries] == rids  # every running request's delta, in this one message
         assert all(e.tokens[e.new_from :] == [x[k]] for e, x in zip(entries, ids, strict=True))
@@ -249,7 +243,7 @@ async def test_tokens_of_steps_taken_while_a_batch_is_in_flight_ride_in_the_next
     rids = await bus.admit(n, max_tokens=len(ids[0]))
     for k in range(len(ids[0])):
         bus.step(_outputs(rids, ids, k))
-    await _until(lambda: len(bus.batches) >= 1, "the first batch is sent")
+    await wait_until_async(lambda: len(bus.batches) >= 1, "the first batch is sent")
     await bus.start_detokenizer()
     expected = {rid: bus.tokenizer.decode(x) for rid, x in zip(rids, ids, strict=True)}
     assert await bus.texts(rids) == expected
@@ -284,7 +278,7 @@ async def test_a_batch_whose_replica_dies_before_acking_is_resent_whole_and_no_t
     ids = _token_streams(bus.tokenizer, n)
     rids = await bus.admit(n, max_tokens=len(ids[0]))
     bus.step(_outputs(rids, ids, 0))
-    await _until(lambda: len(bus.text_deltas) == n, "the doomed replica published the first step")
+    await wait_until_async(lambda: len(bus.text_deltas) == n, "the doomed replica published the first step")
     await bus.start_detokenizer()
     for k in range(1, len(ids[0])):
         bus.step(_outputs(rids, ids, k))
@@ -305,7 +299,7 @@ async def test_a_step_of_more_requests_than_the_cap_is_ceil_m_over_n_batches_in_
     rids = await bus.admit(n, max_tokens=len(ids[0]))
     for k in range(len(ids[0])):
         bus.step(_outputs(rids, ids, k))
-    await _until(lambda: len(bus.batches) >= 3, "the first step's batches are sent")
+    await wait_until_async(lambda: len(bus.batches) >= 3, "the first step's batches are sent")
     first = [bus.entries(b) for b in bus.batches[:3]]
     assert [len(entries) for entries in first] == [2, 3, 3]  # ceil(8 / 3) batches, as even as they go
     assert [e.rid for entries in first for e in entries] == rids
@@ -328,7 +322,9 @@ async def test_with_two_replicas_each_step_is_ceil_m_over_n_batches_and_both_rep
     steps = len(ids[0])
     for k in range(steps):
         bus.step(_outputs(rids, ids, k))
-        await _until(lambda k=k: len(bus.batches) == 3 * (k + 1), f"step {k}'s 3 batches are on the bus")
+        await wait_until_async(
+            lambda k=k: len(bus.batches) == 3 * (k + 1), f"step {k}'s 3 batches are on the bus"
+        )
         entries = [bus.entries(b) for b in bus.batches[-3:]]
         assert sorted(len(e) for e in entries) == [2, 3, 3]
         got = sorted((e.rid, e.tokens[e.new_from :]) for batch in entries for e in batch)
@@ -363,7 +359,7 @@ async def test_a_stuck_replica_stalls_only_the_requests_of_the_batch_it_holds(bu
     stalled, others = rids[:2], rids[2:]
     bus.step(_outputs(stalled, ids[:2], 0))  # an engine step of 2 requests (the others still in prefill)
     sent = time.monotonic()
-    await _until(lambda: bool(held), "the stuck replica holds the first batch")
+    await wait_until_async(lambda: bool(held), "the stuck replica holds the first batch")
     assert [e.rid for e in bus.entries(held[0].data)] == stalled
     await bus.start_detokenizer()
     bus.step(_outputs(others, ids[2:], 0))
@@ -373,7 +369,7 @@ async def test_a_stuck_replica_stalls_only_the_requests_of_the_batch_it_holds(bu
     def others_finished() -> bool:
         return {d.rid for d in bus.text_deltas if d.finished} >= set(others)
 
-    await _until(others_finished, "the requests outside the held batch finish")
+    await wait_until_async(others_finished, "the requests outside the held batch finish")
     assert time.monotonic() - sent < timeout_s, "too slow to tell the stall from the resend"
     assert not [d for d in bus.text_deltas if d.rid in stalled]  # held back by the stuck replica alone
     expected = {rid: bus.tokenizer.decode(x) for rid, x in zip(rids, ids, strict=True)}

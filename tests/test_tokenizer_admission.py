@@ -19,6 +19,7 @@ from kubesgl.service.telemetry.tracing import Tracing
 from kubesgl.services.tokenizer.request_router import RequestRouter
 from kubesgl.services.tokenizer.service import TokenizerService
 from kubesgl.text.tokenizer import ModelTokenizer
+from waiting import wait_until_async
 
 INSTANCE = "slow-0"
 
@@ -96,7 +97,7 @@ async def test_a_slow_scheduler_is_waited_for_not_refused(
     svc = await _tokenizer(url, demo_model_dir)
     client = await BusClient.connect(url)
     try:
-        await asyncio.sleep(0.3)  # the tokenizer hears the first heartbeat
+        await wait_until_async(svc.registry.live, "the tokenizer hears the scheduler's heartbeat")
         reply = await client.submit(prompt="hello", sampling={"max_tokens": 4}, attempt_timeout_s=5.0)
         assert isinstance(reply, p.Admitted), reply
         # Within the tokenizer's 4 s the slow instance is asked again (attempts of 2 s); past them the tokenizer
@@ -116,15 +117,20 @@ async def test_a_full_scheduler_is_still_a_503_at_once(nats_server, demo_model_d
     sched_nc = await nats.connect(url)
     sched = FakeSlowScheduler(sched_nc, 0.0, refuse=True)
     await sched.start()
+    stop = asyncio.Event()
+    beating = asyncio.create_task(_beat(sched, stop))  # heard by the tokenizer, which starts after the first
     svc = await _tokenizer(url, demo_model_dir)
     client = await BusClient.connect(url)
     try:
-        await asyncio.sleep(0.3)
+        await wait_until_async(svc.registry.live, "the tokenizer hears the scheduler's heartbeat")
         start = time.monotonic()
         reply = await client.submit(prompt="hello", sampling={"max_tokens": 4}, attempt_timeout_s=5.0)
         assert isinstance(reply, p.ErrorReply) and reply.error.status == 503, reply
+        assert reply.rid in sched.attempts  # refused by the full scheduler, not for want of one
         assert time.monotonic() - start < 2.0
     finally:
+        stop.set()
+        await beating
         await client.close()
         await svc.drain(1.0)
         await sched_nc.close()
