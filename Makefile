@@ -43,7 +43,7 @@ fuzz: $(STAMP)
 	@seed=$${SEED:-$$(od -An -N4 -tu4 /dev/urandom | tr -d ' ')}; \
 	echo "fuzz: $(FUZZ_EXAMPLES) examples per operation, seed $$seed (replay: make fuzz SEED=$$seed)"; \
 	KUBESGL_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) PATH="$$PWD/$(BIN):$$PATH" $(BIN)/python -m pytest -q -s \
-	  -p no:cacheprovider tests/test_fuzz_gateway.py --hypothesis-seed=$$seed \
+	  -p no:cacheprovider tests/e2e/test_fuzz_gateway.py --hypothesis-seed=$$seed \
 	  || { echo "fuzz: FAILED with seed $$seed (replay: make fuzz SEED=$$seed)"; exit 1; }
 
 # Load against a running `make up` (in another terminal), bounded by DURATION; the venv's own k6 and locust.

@@ -36,8 +36,8 @@ case "$mode" in
       | tee "$OUT/trace_hybrid.txt"
     ;;
   final)  # GPU tests, then the offline figures in priority order (each bounded; $OUT keeps what finished)
-    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_attention_backends.py tests/test_kernels.py \
-      tests/test_runner_fastpath.py tests/test_gpu_parity.py 2>&1 | tail -6 | tee "$OUT/gpu_tests.txt"
+    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/unit/kernels/test_attention_backends.py tests/unit/kernels/test_kernels.py \
+      tests/unit/engine/test_runner_fastpath.py tests/unit/engine/test_gpu_parity.py 2>&1 | tail -6 | tee "$OUT/gpu_tests.txt"
     P="env KUBESGL_STEP_PROFILE=1 timeout 90 $B"
     $P --model Qwen3-0.6B --attn flashinfer 2>&1 | tail -14 | tee "$OUT/p_flashinfer.txt"
     $P --model Qwen3-0.6B --attn flashinfer,triton 2>&1 | tail -14 | tee "$OUT/p_hybrid.txt"
@@ -51,13 +51,13 @@ case "$mode" in
     timeout 30 $K --part copy 2>&1 | grep -v Warn | tail -2
     timeout 280 $K --part gemv 2>&1 | grep -v Warn > "$OUT/kb_gemv.txt"; tail -2 "$OUT/kb_gemv.txt"
     timeout 120 $K --part attn 2>&1 | grep -v Warn > "$OUT/kb_attn.txt"; tail -2 "$OUT/kb_attn.txt"
-    timeout 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gemv.py tests/test_attention_backends.py \
+    timeout 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/kernels/test_gemv.py tests/unit/kernels/test_attention_backends.py \
       -k "gemv or planned or triton" 2>&1 | tail -4 | tee "$OUT/gpu_tests.txt"
     python3 benchmark/kernel_bench.py --summary "$OUT/kb.jsonl" | tee "$OUT/kb_summary.txt"
     ;;
   e2e)  # end to end: the new levers on the offline benchmark against the same call's FlashInfer baseline
     timeout 90 python3 benchmark/kernel_bench.py --part tune 2>&1 | grep -v Warn | tail -2  # GEMV compile + tune cache
-    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_parity.py -k "triton or gemv" 2>&1 | tail -4 \
+    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/unit/engine/test_gpu_parity.py -k "triton or gemv" 2>&1 | tail -4 \
       | tee "$OUT/gpu_parity.txt"
     P="env KUBESGL_STEP_PROFILE=1 timeout 80 $B --model Qwen3-0.6B"
     $P --attn flashinfer 2>&1 | tail -1
@@ -77,8 +77,8 @@ case "$mode" in
     ;;
   mixed)  # mixed chunk (--enable-mixed-chunk): its GPU tests, the mixed step against extend + decode kernel by
           # kernel (page 16, as the benchmark), then the offline benchmark off/on (step profiles), on/off (~9 min)
-    timeout 140 python3 -m pytest -q -p no:cacheprovider -m gpu -k "mixed or mixing" tests/test_mixed_chunk.py \
-      tests/test_attention_backends.py 2>&1 | tail -6 | tee "$OUT/gpu_tests_mixed.txt"
+    timeout 140 python3 -m pytest -q -p no:cacheprovider -m gpu -k "mixed or mixing" tests/unit/engine/test_mixed_chunk.py \
+      tests/unit/kernels/test_attention_backends.py 2>&1 | tail -6 | tee "$OUT/gpu_tests_mixed.txt"
     timeout 120 python3 benchmark/kernel_trace.py --model Qwen3-0.6B --batch-sizes "" --context 800 --page-size 16 \
       --mixed-decode 16,64,128,256 --top 12 --json "$OUT/trace_mixed.jsonl" 2>&1 | grep -v Warn > "$OUT/trace_mixed.txt"
     grep "^== mixed" "$OUT/trace_mixed.txt"
@@ -104,7 +104,7 @@ case "$mode" in
     grep -E "Traceback|Error" "$OUT/serve_up.log" | head -5
     ;;
   json)  # structured outputs: the grammar GPU test, then unconstrained against 10% JSON-schema requests, same call
-    timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_structured_engine.py 2>&1 | tail -4 \
+    timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/structured/test_structured_engine.py 2>&1 | tail -4 \
       | tee "$OUT/gpu_tests_json.txt"
     timeout 90 $B --model Qwen3-0.6B | tail -1
     timeout 90 $B --model Qwen3-0.6B --json-fraction 0.1 | tail -1

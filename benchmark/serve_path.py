@@ -8,7 +8,7 @@ process with no service around it, is the path's ceiling: "engine tok/s".
 
 Clients stream /v1/completions through kubesgl.bench.sse_client, all at once. Every `--trace-every`-th request
 carries a sampled W3C traceparent (the others an unsampled one, so tracing costs only the traced), and the
-services' spans, received by a local OTLP endpoint (tests/otlp_receiver.py), give each traced request's stages:
+services' spans, received by a local OTLP endpoint (tests/support/otlp_receiver.py), give each traced request's stages:
 client send -> gateway arrival (ASGI entry) -> tokenizer -> scheduler arrival -> first token out of the engine
 -> detokenized -> first SSE byte (the gateway span's TTFT) -> the client's first chunk. Also each process's CPU
 time per output token (psutil), which on a machine with a core per service says which one caps the path.
@@ -41,7 +41,7 @@ from kubesgl.values.outputs import EngineStats, FinishReason, ModelInfo, Request
 from kubesgl.values.sampling import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from otlp_receiver import OtlpReceiver, ReceivedSpan  # noqa: E402
+from support.otlp_receiver import OtlpReceiver, ReceivedSpan  # noqa: E402
 
 PAGES = 1_000_000
 INSTANCE = "fake-scheduler-0"

@@ -153,7 +153,7 @@ _GROUPS = load_layout().group_of()
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Marks each test with its layout group's kind (`unit`, `e2e`, `deploy`), so `-m` selects by group
     whether or not tests/regroup.py has moved the files yet. A file the layout does not list gets no mark:
-    tests/test_layout.py fails on it."""
+    tests/unit/repo/test_layout.py fails on it."""
     for item in items:
         group = _GROUPS.get(item.path.name)
         if group is not None:

@@ -1,7 +1,7 @@
 """The gateway's access log: one INFO line per HTTP request once its response has ended (a stream: after its
 last byte), with what an operator needs and nothing of the content — method, path, status, and for generation
 requests the request id, prompt / completion tokens, time to first token and duration. Never the prompt, the
-output or the query string (tests/test_log_privacy.py). Probes and scrapes log at DEBUG only, so a kubelet
+output or the query string (tests/e2e/test_log_privacy.py). Probes and scrapes log at DEBUG only, so a kubelet
 polling /ready does not drown the log. uvicorn's own access log stays off (app.py).
 
 AccessLog is the outermost middleware, so it also stamps every request's `Arrival` (ASGI entry, before the

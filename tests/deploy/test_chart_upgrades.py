@@ -1,0 +1,299 @@
+"""Day-2 behaviour of the chart with real Helm: upgrades that would change an immutable field are refused at
+render time (Helm's `lookup` reading the installed objects from FakeKubeAPI, a stand-in for the API server),
+renders are byte-identical run after run (no secret is generated at render time), and the NATS credentials
+hook Job creates its Secret once and keeps it."""
+
+from __future__ import annotations
+
+import base64
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import helm_python
+import pytest
+from support.fake_kube_api import FakeKubeAPI
+from test_chart import CHART, NAMESPACE, RELEASE, ROOT, VALUE_SETS, one, render
+from test_kustomize import merged
+
+ORPHAN = f"kubectl -n {NAMESPACE} delete statefulset {{name}} --cascade=orphan"
+
+
+def render_installed(api: FakeKubeAPI, values: dict[str, Any]) -> dict[str, str]:
+    """An upgrade's render: Helm's lookup asks `api` for the installed objects."""
+    config = helm_python.Config(kube_apiserver=api.url, kube_token="test", namespace=NAMESPACE)
+    try:
+        with helm_python.Chart.load(CHART) as chart:
+            return config.render(chart, values, name=RELEASE, namespace=NAMESPACE, is_upgrade=True)
+    finally:
+        config.close()
+
+
+def render_text(values: dict[str, Any]) -> dict[str, str]:
+    with helm_python.Chart.load(CHART) as chart:
+        return chart.render(values, name=RELEASE, namespace=NAMESPACE)
+
+
+@pytest.fixture
+def cluster() -> Iterator[FakeKubeAPI]:
+    with FakeKubeAPI().serving() as api:
+        yield api
+
+
+HF_SIZE = {"model": {"huggingface": {"storage": {"size": "80Gi"}}}}
+PVC_SOURCE = {"model": {"source": "pvc", "pvc": {"claimName": "models"}}}
+FULL = VALUE_SETS["full-features"]
+
+# case -> (installed values, new values, the refusal names, the StatefulSet/Deployment it names)
+REFUSED: dict[str, tuple[dict[str, Any], dict[str, Any], str, str]] = {
+    "model volume size": (
+        {},
+        HF_SIZE,
+        "model.huggingface.storage.size changed (installed: 50Gi, now: 80Gi)",
+        "statefulset kubesgl-scheduler",
+    ),
+    "model StorageClass": (
+        {},
+        {"model": {"huggingface": {"storage": {"storageClassName": "fast-ssd"}}}},
+        "model.huggingface.storage.storageClassName changed (installed: (cluster default), now: fast-ssd)",
+        "statefulset kubesgl-scheduler",
+    ),
+    "model access modes": (
+        {},
+        {"model": {"huggingface": {"storage": {"accessModes": ["ReadWriteOncePod"]}}}},
+        'model.huggingface.storage.accessModes changed (installed: ["ReadWriteOnce"], now: ["ReadWriteOncePod"])',
+        "statefulset kubesgl-scheduler",
+    ),
+    "model source huggingface to pvc": (
+        {},
+        PVC_SOURCE,
+        "model.source changed (installed: huggingface, now: pvc)",
+        "statefulset kubesgl-scheduler",
+    ),
+    "model source pvc to huggingface": (
+        PVC_SOURCE,
+        {},
+        "model.source changed (installed: pvc or demo (no model volume), now: huggingface)",
+        "statefulset kubesgl-scheduler",
+    ),
+    "pod management policy": (
+        {},
+        {"scheduler": {"podManagementPolicy": "OrderedReady"}},
+        "scheduler.podManagementPolicy changed (installed: Parallel, now: OrderedReady)",
+        "statefulset kubesgl-scheduler",
+    ),
+    "JetStream turned on": (
+        {},
+        {"nats": {"bundled": {"jetstream": {"enabled": True}}}},
+        "nats.bundled.jetstream.enabled changed (installed: false, now: true)",
+        "statefulset kubesgl-nats",
+    ),
+    "JetStream turned off": (
+        FULL,
+        merged(FULL, {"nats": {"bundled": {"jetstream": {"enabled": False}}}}),
+        "nats.bundled.jetstream.enabled changed (installed: true, now: false)",
+        "statefulset kubesgl-nats",
+    ),
+    "JetStream volume size": (
+        FULL,
+        merged(FULL, {"nats": {"bundled": {"jetstream": {"size": "20Gi"}}}}),
+        "nats.bundled.jetstream.size changed (installed: 10Gi, now: 20Gi)",
+        "statefulset kubesgl-nats",
+    ),
+    "selector labels": (
+        {"fullnameOverride": "kubesgl"},
+        {"fullnameOverride": "kubesgl", "nameOverride": "llm"},
+        "nameOverride (the app.kubernetes.io/name selector label) changed",
+        "kubesgl-",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_upgrade_refuses_an_immutable_change(case: str, cluster: FakeKubeAPI) -> None:
+    before, after, names, target = REFUSED[case]
+    cluster.install(render(before), NAMESPACE)
+    # A first install (nothing in the cluster) of the same values is fine: nothing is immutable yet.
+    render_text(after)
+    with pytest.raises(helm_python.HelmError) as refused:
+        render_installed(cluster, after)
+    message = str(refused.value)
+    assert "upgrade refused: " + names in message
+    assert "which Kubernetes does not let an upgrade change" in message
+    if target.startswith("statefulset "):
+        assert ORPHAN.format(name=target.removeprefix("statefulset ")) in message
+    else:
+        assert "--cascade=orphan" in message and target in message
+    assert "then run the same helm upgrade again" in message
+    # The values it names are the user's, and the recovery is documented.
+    assert "docs/operations.md#changes-kubernetes-refuses" in message
+
+
+MUTABLE: dict[str, dict[str, Any]] = {
+    "same values": {},
+    "the same size spelt in MiB": {"model": {"huggingface": {"storage": {"size": "51200Mi"}}}},
+    "replicas, revision and image": {
+        "scheduler": {"replicas": 3},
+        "model": {"huggingface": {"revision": "0123456789abcdef0123456789abcdef01234567"}},
+        "image": {"cuda": {"tag": "0.2.0"}},
+    },
+    "scheduler resources and drain": {
+        "scheduler": {"drainTimeoutSeconds": 400, "terminationGracePeriodSeconds": 430, "shmSize": "16Gi"}
+    },
+}
+
+
+@pytest.mark.parametrize("case", sorted(MUTABLE))
+def test_upgrade_allows_mutable_changes(case: str, cluster: FakeKubeAPI) -> None:
+    cluster.install(render({}), NAMESPACE)
+    # The installed objects change nothing in the output: the render is the offline one, byte for byte.
+    assert render_installed(cluster, MUTABLE[case]) == render_text(MUTABLE[case])
+
+
+def test_lookup_reads_the_installed_objects(cluster: FakeKubeAPI) -> None:
+    """The checks go through Helm's real lookup: discovery, then a GET of each object they compare."""
+    cluster.install(render({}), NAMESPACE)
+    render_installed(cluster, {})
+    gets = {path for method, path in cluster.requests if method == "GET"}
+    assert f"/apis/apps/v1/namespaces/{NAMESPACE}/statefulsets/{RELEASE}-scheduler" in gets
+    assert f"/apis/apps/v1/namespaces/{NAMESPACE}/statefulsets/{RELEASE}-nats" in gets
+    assert f"/apis/apps/v1/namespaces/{NAMESPACE}/deployments/{RELEASE}-gateway" in gets
+
+
+@pytest.mark.parametrize("value_set", sorted(VALUE_SETS))
+def test_renders_are_byte_identical(value_set: str, cluster: FakeKubeAPI) -> None:
+    values = VALUE_SETS[value_set]
+    first, second = render_text(values), render_text(values)
+    assert first.keys() == second.keys()
+    for template, text in first.items():
+        assert second[template] == text, f"{template} differs between two renders"
+    # An upgrade against the installed release renders the same bytes too (nothing is read back into them).
+    cluster.install(render(values), NAMESPACE)
+    assert render_installed(cluster, values) == first
+
+
+def test_no_render_holds_a_secret() -> None:
+    for value_set, values in VALUE_SETS.items():
+        assert not [o for o in render(values) if o["kind"] == "Secret"], value_set
+
+
+# -- the NATS credentials hook Job ---------------------------------------------------------------------
+def credentials_job(values: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    objects = render(values)
+    return objects, one(objects, "Job", "nats-credentials")
+
+
+def run_job(job: dict[str, Any], api: FakeKubeAPI) -> subprocess.CompletedProcess[str]:
+    """The Job's container command, run here against `api` (plain HTTP: no token or CA to mount)."""
+    spec = job["spec"]["template"]["spec"]["containers"][0]
+    variables = {e["name"]: e["value"] for e in spec["env"] if "value" in e}
+    variables |= {"KUBE_API": api.url, "KUBE_CREDENTIALS": "", "NAMESPACE": NAMESPACE}
+    return subprocess.run(
+        [sys.executable, *spec["command"][1:]],
+        env={**os.environ, **variables},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_credentials_job_creates_the_secret_once_and_keeps_it(cluster: FakeKubeAPI) -> None:
+    objects, job = credentials_job({})
+    assert job["metadata"]["annotations"]["helm.sh/hook"] == "pre-install,pre-upgrade"
+    created = run_job(job, cluster)
+    assert created.returncode == 0, created.stderr
+    assert "created" in created.stdout
+    secret = cluster.get("v1", "Secret", NAMESPACE, f"{RELEASE}-nats-auth")
+    assert secret is not None
+    data = {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
+    assert set(data) == {"token", "user", "password"}
+    assert len(data["token"]) == 48 and data["token"].isalnum() and data["user"] == "kubesgl"
+    # The servers and every client read that Secret's keys.
+    server = one(objects, "StatefulSet", "nats")["spec"]["template"]["spec"]["containers"][0]
+    assert {
+        "name": "NATS_TOKEN",
+        "valueFrom": {"secretKeyRef": {"name": secret["metadata"]["name"], "key": "token"}},
+    } in server["env"]
+    # Every later upgrade (or GitOps sync) runs it again: the Secret is kept, byte for byte.
+    kept = run_job(job, cluster)
+    assert kept.returncode == 0, kept.stderr
+    assert "exists: kept" in kept.stdout
+    assert cluster.get("v1", "Secret", NAMESPACE, f"{RELEASE}-nats-auth") == secret
+    assert [m for m, _ in cluster.requests].count("POST") == 1
+
+
+def test_credentials_job_keeps_a_secret_of_an_earlier_release(cluster: FakeKubeAPI) -> None:
+    """Releases of the chart before the Job rendered the Secret themselves (resource-policy keep): upgrading
+    keeps their credentials, so running pods stay connected."""
+    earlier = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": f"{RELEASE}-nats-auth"},
+        "data": {"token": base64.b64encode(b"earlier-token").decode()},
+    }
+    cluster.add(earlier, NAMESPACE)
+    done = run_job(credentials_job({})[1], cluster)
+    assert done.returncode == 0, done.stderr
+    assert cluster.get("v1", "Secret", NAMESPACE, f"{RELEASE}-nats-auth")["data"] == earlier["data"]
+
+
+def test_credentials_job_asks_only_what_its_role_grants(cluster: FakeKubeAPI) -> None:
+    objects, job = credentials_job({"nats": {"auth": {"mode": "userPassword"}}})
+    role = one(objects, "Role", "nats-credentials")
+    binding = one(objects, "RoleBinding", "nats-credentials")
+    account = one(objects, "ServiceAccount", "nats-credentials")
+    pod = job["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == account["metadata"]["name"] == binding["subjects"][0]["name"]
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    run_job(job, cluster)
+    run_job(job, cluster)
+    secrets_path = f"/api/v1/namespaces/{NAMESPACE}/secrets"
+    for method, path in cluster.requests:
+        verb = {"GET": "get", "POST": "create"}[method]
+        name = path.removeprefix(secrets_path + "/") if path != secrets_path else None
+        assert any(
+            rule["resources"] == ["secrets"]
+            and verb in rule["verbs"]
+            and (name is None or "resourceNames" not in rule or name in rule["resourceNames"])
+            and (name is not None or "resourceNames" not in rule)
+            for rule in role["rules"]
+        ), (method, path)
+    # The hook objects run before the servers start and go away once it succeeded.
+    weights = {
+        o["kind"]: int(o["metadata"]["annotations"]["helm.sh/hook-weight"])
+        for o in (role, binding, account, job)
+    }
+    assert weights["Job"] > max(weights["Role"], weights["RoleBinding"], weights["ServiceAccount"])
+
+
+def test_credentials_job_lost_race_counts_as_kept(cluster: FakeKubeAPI) -> None:
+    """Two runs at once (a retried hook): the one whose create meets 409 AlreadyExists succeeds too."""
+    path = f"/api/v1/namespaces/{NAMESPACE}/secrets/{RELEASE}-nats-auth"
+    other = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": f"{RELEASE}-nats-auth"}, "data": {}}
+    cluster.add(other, NAMESPACE)
+    cluster.stale_once.add(path)  # this run's GET misses the Secret the other run just created
+    done = run_job(credentials_job({})[1], cluster)
+    assert done.returncode == 0, done.stderr
+    assert "created meanwhile by another run: kept" in done.stdout
+    assert cluster.get("v1", "Secret", NAMESPACE, f"{RELEASE}-nats-auth")["data"] == {}
+
+
+def test_existing_secret_renders_no_job() -> None:
+    for values in (
+        {"nats": {"auth": {"existingSecret": "mine"}}},
+        {"nats": {"auth": {"mode": "none"}}},
+        VALUE_SETS["external-nats"],
+    ):
+        objects = render(values)
+        assert not [o for o in objects if o["kind"] in ("Job", "Role", "RoleBinding", "Secret")], values
+    gateway = one(render({"nats": {"auth": {"existingSecret": "mine"}}}), "Deployment", "gateway")
+    env = {e["name"]: e.get("valueFrom") for e in gateway["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["KUBESGL_NATS_TOKEN"] == {"secretKeyRef": {"name": "mine", "key": "token"}}
+
+
+def test_the_refusal_points_at_a_documented_section() -> None:
+    from test_alerts import _anchors
+
+    assert "changes-kubernetes-refuses" in _anchors((ROOT / "docs" / "operations.md").read_text())

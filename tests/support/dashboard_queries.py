@@ -1,0 +1,92 @@
+"""The Grafana dashboards in the chart, read for tests: their PromQL, the metric names it uses, and the
+names kubesgl's services export (from the telemetry module itself, not a list kept by hand)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from kubesgl.service.telemetry.metrics import (
+    DetokenizerMetrics,
+    GatewayMetrics,
+    SchedulerMetrics,
+    TokenizerMetrics,
+    new_registry,
+)
+
+DASHBOARDS = Path(__file__).resolve().parents[2] / "charts" / "kubesgl" / "dashboards"
+
+_PROMQL_WORDS = {
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "and",
+    "or",
+    "unless",
+    "bool",
+}
+_PROMQL_WORDS |= {"inf", "nan"}
+
+
+def dashboards() -> dict[str, dict[str, Any]]:
+    return {p.name: json.loads(p.read_text()) for p in sorted(DASHBOARDS.glob("*.json"))}
+
+
+def panels(dashboard: dict[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    for panel in dashboard["panels"]:
+        out.append(panel)
+        out.extend(panel.get("panels", []))
+    return out
+
+
+def exprs(dashboard: dict[str, Any]) -> list[str]:
+    return [t["expr"] for p in panels(dashboard) for t in p.get("targets", [])]
+
+
+def concrete(expr: str, model: str = ".*", rate_interval: str = "1m") -> str:
+    """The query Grafana would send, with the dashboard variables filled in."""
+    return expr.replace("$__rate_interval", rate_interval).replace("$model", model)
+
+
+def metric_names(expr: str) -> set[str]:
+    """Metric names a PromQL expression selects (not functions, keywords, labels or literals)."""
+    text = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)  # strings first: they may hold braces
+    text = re.sub(r"\{[^}]*\}", " ", text)
+    text = re.sub(r"\[[^\]]*\]", " ", text)
+    text = re.sub(r"\boffset\s+-?\w+", " ", text)
+    text = re.sub(r"(?<![A-Za-z_:])\d+(\.\d*)?([eE][-+]?\d+)?", " ", text)
+    text = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", text)
+    names = set()
+    for m in re.finditer(r"[A-Za-z_:][A-Za-z0-9_:]*", text):
+        rest = text[m.end() :].lstrip()
+        if rest.startswith("(") or m.group().lower() in _PROMQL_WORDS:
+            continue
+        names.add(m.group())
+    return names
+
+
+def exported_names() -> set[str]:
+    """Every series name some kubesgl service's /metrics can serve."""
+    names: set[str] = set()
+    for build in (
+        lambda r: SchedulerMetrics(r, "m", page_size=1, num_pages=1),
+        GatewayMetrics,
+        TokenizerMetrics,
+        DetokenizerMetrics,
+    ):
+        registry = new_registry()
+        build(registry)
+        for family in registry.collect():
+            suffixes = {
+                "counter": ("_total", "_created"),
+                "histogram": ("_bucket", "_sum", "_count", "_created"),
+                "summary": ("", "_sum", "_count", "_created"),
+            }.get(family.type, ("",))
+            names |= {family.name + s for s in suffixes}
+    return names

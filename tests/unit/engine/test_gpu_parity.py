@@ -1,0 +1,115 @@
+"""GPU correctness in bf16 (run on the device; skipped without CUDA): teacher-forced logits against HF
+transformers for each attention backend, and greedy agreement of the full engine (CUDA graphs + overlap on).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from kubesgl import LLM, SamplingParams
+from kubesgl.attention.errors import BackendUnavailableError
+from kubesgl.attention.registry import create_backend
+from kubesgl.distributed import TPGroup
+from kubesgl.models.loader import load_model
+from kubesgl.models.random_init import build_random_model
+from support.engine_helpers import assert_greedy_match, hf_greedy
+from support.model_helpers import SingleRequestRunner
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+BF16_TIE = 0.5  # bf16 logits carry ~1e-2 relative error: closer top-2 gaps are ties
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
+    overrides = {
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 128,  # the Qwen3 head size: the FlashInfer kernels JIT-built for the benchmark serve here too
+        "num_hidden_layers": 4,
+    }
+    return str(
+        build_random_model(
+            "qwen3",
+            tmp_path_factory.mktemp("gpu") / "qwen3",
+            init_std=0.5,
+            overrides=overrides,
+            dtype=torch.bfloat16,
+        )
+    )
+
+
+@pytest.fixture(scope="module")
+def hf(checkpoint: str) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16).cuda().eval()
+
+
+@pytest.mark.parametrize(
+    ("backend", "linear"),
+    [
+        ("torch", "torch"),
+        ("triton", "torch"),
+        ("triton-planned", "torch"),
+        ("flashinfer", "torch"),
+        ("torch", "triton"),
+    ],
+    ids=["torch", "triton", "triton-planned", "flashinfer", "torch-attn-gemv"],
+)
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_teacher_forced_logits_close_to_hf(
+    checkpoint: str, hf: torch.nn.Module, backend: str, linear: str, page_size: int
+) -> None:
+    """Per attention backend, and with the projections on the Triton GEMV (`linear` "triton": the 100-token
+    prefill and every decode step take it, fused norms included)."""
+    model = load_model(checkpoint, tp=TPGroup(), device=torch.device("cuda"), dtype=torch.bfloat16)
+    model.set_linear_backend(linear)
+    runner = SingleRequestRunner(model, page_size, max_tokens=256)
+    try:
+        runner.attn = create_backend(
+            backend,
+            device=torch.device("cuda"),
+            page_size=page_size,
+            num_q_heads=8,
+            num_kv_heads=2,
+            head_dim=128,
+            dtype=torch.bfloat16,
+        )
+    except BackendUnavailableError as e:
+        pytest.skip(str(e))
+    tokens = [random.Random(0).randrange(500) for _ in range(120)]
+    ours = [runner.step(tokens[:100])]  # a prefill, then teacher-forced decode steps
+    ours += [runner.step([t]) for t in tokens[100:]]
+    ours_all = torch.cat(ours).float()
+    with torch.no_grad():
+        ref = hf(torch.tensor([tokens], device="cuda")).logits[0].float()
+    scale = ref.abs().max()
+    assert (ours_all - ref).abs().max() < 0.05 * scale
+    gaps = ref.topk(2, dim=-1).values
+    clear = (gaps[:, 0] - gaps[:, 1]) > BF16_TIE
+    assert torch.equal(ours_all.argmax(-1)[clear], ref.argmax(-1)[clear])
+
+
+@pytest.mark.parametrize(
+    ("attn", "linear"),
+    [("auto", "torch"), ("triton-planned", "triton")],
+    ids=["defaults", "triton-planned-gemv"],
+)
+def test_engine_greedy_matches_hf_with_graphs_and_overlap(
+    checkpoint: str, hf: torch.nn.Module, attn: str, linear: str
+) -> None:
+    rng = random.Random(1)
+    prompts = [[rng.randrange(500) for _ in range(rng.randint(5, 60))] for _ in range(12)]
+    with LLM(
+        checkpoint, device="cuda", dtype="bfloat16", page_size=16, attn=attn, linear_backend=linear
+    ) as llm:
+        assert llm.engine.overlap and llm.engine.runner.graphs is not None
+        outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    for p, out in zip(prompts, outs, strict=True):
+        ref, gaps = hf_greedy(hf, p, 16)
+        assert_greedy_match(out["token_ids"], ref, gaps, tie=BF16_TIE)

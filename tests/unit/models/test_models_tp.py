@@ -1,0 +1,118 @@
+"""Tensor parallelism on CPU: two gloo ranks must produce the logits of the unsharded model."""
+
+from __future__ import annotations
+
+import queue
+import socket
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from kubesgl.distributed import TPGroup
+from kubesgl.models.loader import load_model
+from kubesgl.models.random_init import build_random_model
+from support.model_helpers import SingleRequestRunner
+
+PROMPT = [5, 17, 300, 42, 7, 99, 123, 250, 8, 64, 3, 77]
+DECODE = [11, 400, 2]
+TIMEOUT_S = 120
+
+
+def run_request(path: Path, tp: TPGroup, linear: str = "torch") -> torch.Tensor:
+    """Prompt as one extend, then teacher-forced decode steps; all logits stacked."""
+    model = load_model(path, tp=tp)
+    model.set_linear_backend(linear)
+    runner = SingleRequestRunner(model, page_size=4)
+    return torch.cat([runner.step(PROMPT)] + [runner.step([t]) for t in DECODE])
+
+
+def _rank_main(rank: int, size: int, port: int, paths: list[Path], results: mp.Queue, linear: str) -> None:
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=size,
+        timeout=timedelta(seconds=60),
+    )
+    try:
+        tp = TPGroup(rank, size, dist.group.WORLD, dist.new_group(backend="gloo"))
+        for path in paths:
+            logits = run_request(path, tp, linear)
+            if rank == 0:
+                # As numpy: a torch tensor would travel as a shared-memory fd that dies with this process.
+                results.put((str(path), logits.numpy()))
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_tp(paths: list[Path], size: int, linear: str = "torch") -> dict[str, torch.Tensor]:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, size, port, paths, results, linear)) for r in range(size)
+    ]
+    for p in procs:
+        p.start()
+    out: dict[str, torch.Tensor] = {}
+    try:
+        for _ in paths:
+            name, logits = results.get(timeout=TIMEOUT_S)
+            out[name] = torch.from_numpy(logits)
+        for p in procs:
+            p.join(timeout=TIMEOUT_S)
+            assert p.exitcode == 0, f"TP rank exited with {p.exitcode}"
+    except queue.Empty:
+        pytest.fail(f"TP ranks produced no logits within {TIMEOUT_S}s")
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+    return out
+
+
+@pytest.mark.slow  # 10-35 s on 2 busy cores: `make test` runs it, `make test-fast` does not
+def test_tp2_logits_match_tp1(tmp_path: Path) -> None:
+    paths = [
+        build_random_model("qwen3", tmp_path / "qwen3"),  # tied head, KV heads split 1 per rank
+        build_random_model("qwen2", tmp_path / "qwen2", overrides={"vocab_size": 511}),  # padded vocab shard
+        build_random_model(
+            "llama", tmp_path / "llama", overrides={"num_key_value_heads": 1}
+        ),  # replicated KV
+        build_random_model("qwen3_moe", tmp_path / "qwen3_moe"),  # experts split on the intermediate dim
+    ]
+    sharded = run_tp(paths, size=2)
+    for path in paths:
+        expected = run_request(path, TPGroup())
+        torch.testing.assert_close(
+            sharded[str(path)], expected, rtol=1e-5, atol=1e-4, msg=lambda m, name=path.name: f"{name}: {m}"
+        )
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs the GEMV on CPU tensors only")
+@pytest.mark.slow  # 10-35 s on 2 busy cores: `make test` runs it, `make test-fast` does not
+def test_tp2_on_the_triton_gemv_matches_tp1(tmp_path: Path) -> None:
+    """Sharded projections through the Triton GEMV (Triton's interpreter): column-parallel shards take the
+    fused norm prologue (Qwen2: with the qkv bias in the epilogue), the row-parallel down projection the SiLU
+    prologue on its [gate | up] shard before the all-reduce, the LM head its vocab shard before the gather."""
+    paths = [
+        build_random_model("qwen3", tmp_path / "qwen3"),
+        build_random_model(
+            "qwen2", tmp_path / "qwen2", overrides={"vocab_size": 511}
+        ),  # qkv bias, padded vocab
+    ]
+    sharded = run_tp(paths, size=2, linear="triton")
+    for path in paths:
+        expected = run_request(path, TPGroup())
+        torch.testing.assert_close(
+            sharded[str(path)], expected, rtol=1e-5, atol=1e-4, msg=lambda m, name=path.name: f"{name}: {m}"
+        )

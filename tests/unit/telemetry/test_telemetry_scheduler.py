@@ -1,0 +1,124 @@
+"""A scheduler's per-request telemetry: queue -> prefill -> decode spans under the tokenizer's span, and
+SGLang's request metrics, both driven by engine outputs."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from kubesgl.service.telemetry.metrics import SchedulerMetrics
+from kubesgl.service.telemetry.scheduler import SchedulerTelemetry
+from kubesgl.service.telemetry.tracing import (
+    SPAN_DECODE,
+    SPAN_PREFILL,
+    SPAN_QUEUE,
+    SPAN_TOKENIZE,
+    Tracing,
+    traceparent,
+)
+from kubesgl.values.outputs import RequestOutput
+from prometheus_client import CollectorRegistry
+from support.otlp_receiver import OtlpReceiver, ReceivedSpan
+
+MODEL = {"model_name": "tiny"}
+
+
+@pytest.fixture
+def receiver(monkeypatch: pytest.MonkeyPatch) -> Iterator[OtlpReceiver]:
+    for var in ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_SERVICE_NAME", "OTEL_SDK_DISABLED"):
+        monkeypatch.delenv(var, raising=False)
+    with OtlpReceiver() as r:
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", r.endpoint)
+        yield r
+
+
+def out(
+    rid: str, tokens: list[int], done: int, finished: bool = False, reason: str | None = None
+) -> RequestOutput:
+    return RequestOutput(rid, tokens, prompt_tokens=12, cached_tokens=8, completion_tokens=done, finished=finished,
+                         finish_reason=reason)  # fmt: skip
+
+
+def telemetry(tracing: Tracing) -> tuple[CollectorRegistry, SchedulerTelemetry]:
+    registry = CollectorRegistry()
+    metrics = SchedulerMetrics(registry, "tiny", page_size=1, num_pages=64)
+    return registry, SchedulerTelemetry(metrics, tracing, instance_id="sched-0", model="tiny")
+
+
+def tokenize_span(tracing: Tracing) -> dict[str, str]:
+    """The tokenizer's span, ended, as the headers of the GenerateRequest it sent."""
+    with tracing.span(SPAN_TOKENIZE) as span:
+        return {"kubesgl-rid": "r1", "traceparent": traceparent(span) or ""}
+
+
+def test_request_makes_queue_prefill_decode_spans_under_the_tokenizer(receiver: OtlpReceiver) -> None:
+    tracing = Tracing("kubesgl-scheduler")
+    _, tel = telemetry(tracing)
+    headers = tokenize_span(tracing)
+    tel.on_arrival("r1", headers, prompt_tokens=12)
+    tel.on_step_start()
+    first = tel.on_outputs([out("r1", [5], 1)])
+    tel.on_step_start()
+    tel.on_outputs([out("r1", [6, 7], 3)])
+    last = tel.on_outputs([out("r1", [8], 4, finished=True, reason="stop")])
+    tracing.shutdown()
+
+    spans = receiver.wait_for(lambda s: len(s) == 4, timeout_s=10)
+    by_name: dict[str, ReceivedSpan] = {s.name: s for s in spans}
+    parent = by_name[SPAN_TOKENIZE]
+    queue, prefill, decode = by_name[SPAN_QUEUE], by_name[SPAN_PREFILL], by_name[SPAN_DECODE]
+    for span in (queue, prefill, decode):
+        assert (span.trace_id, span.parent_span_id) == (parent.trace_id, parent.span_id)
+        assert span.attributes["kubesgl.scheduler.instance"] == "sched-0"
+    assert queue.end_ns == prefill.start_ns <= prefill.end_ns == decode.start_ns <= decode.end_ns
+    assert prefill.attributes["kubesgl.cached_tokens"] == 8
+    assert prefill.attributes["gen_ai.usage.input_tokens"] == 12
+    assert decode.attributes["gen_ai.usage.output_tokens"] == 4
+    assert decode.attributes["gen_ai.response.finish_reasons"] == ["stop"]
+    # Each TokenDelta names the decode span as parent, so the detokenizer's span joins this trace.
+    assert first["r1"] == last["r1"] and first["r1"] and decode.span_id in first["r1"]
+
+
+def test_outputs_feed_sglang_request_metrics() -> None:
+    registry, tel = telemetry(Tracing("kubesgl-scheduler"))
+    tel.on_arrival("r1", None, prompt_tokens=12)
+    tel.on_outputs([out("r1", [5], 1)])
+    tel.on_outputs([out("r1", [6, 7], 3)])
+    tel.on_outputs([out("r1", [], 3, finished=True, reason="length")])
+    assert registry.get_sample_value("sglang:time_to_first_token_seconds_count", MODEL) == 1
+    assert registry.get_sample_value("sglang:inter_token_latency_seconds_count", MODEL) == 2
+    assert registry.get_sample_value("sglang:e2e_request_latency_seconds_count", MODEL) == 1
+    assert registry.get_sample_value("sglang:generation_tokens_total", MODEL) == 3
+    assert registry.get_sample_value("sglang:prompt_tokens_total", MODEL) == 12
+    assert registry.get_sample_value("sglang:cached_tokens_total", MODEL) == 8
+
+
+def test_abort_before_first_token_ends_the_queue_span_as_error(receiver: OtlpReceiver) -> None:
+    tracing = Tracing("kubesgl-scheduler")
+    registry, tel = telemetry(tracing)
+    tel.on_arrival("r1", None, prompt_tokens=12)
+    tel.on_abort("r1")
+    tel.on_abort("r1")  # twice: already gone
+    tel.on_outputs([out("r1", [], 0, finished=True, reason="abort")])  # a late engine output: ignored
+    tracing.shutdown()
+    [queue] = receiver.wait_for(lambda s: len(s) == 1, timeout_s=10)
+    assert (queue.name, queue.status_code) == (SPAN_QUEUE, 2)
+    assert registry.get_sample_value("sglang:num_aborted_requests_total", MODEL) == 1
+    assert registry.get_sample_value("sglang:num_requests_total", MODEL) == 1
+    assert registry.get_sample_value("sglang:time_to_first_token_seconds_count", MODEL) == 0
+
+
+def test_repeated_arrival_of_a_known_rid_changes_nothing() -> None:
+    registry, tel = telemetry(Tracing("kubesgl-scheduler"))
+    tel.on_arrival("r1", None, prompt_tokens=12)
+    tel.on_outputs([out("r1", [5], 1)])
+    tel.on_arrival("r1", None, prompt_tokens=12)  # the tokenizer retried the GenerateRequest
+    tel.on_outputs([out("r1", [6], 2, finished=True, reason="stop")])
+    assert registry.get_sample_value("sglang:time_to_first_token_seconds_count", MODEL) == 1
+    assert registry.get_sample_value("sglang:inter_token_latency_seconds_count", MODEL) == 1
+
+
+def test_outputs_of_unknown_requests_are_ignored() -> None:
+    registry, tel = telemetry(Tracing("kubesgl-scheduler"))
+    assert tel.on_outputs([out("ghost", [1], 1, finished=True, reason="stop")]) == {}
+    assert registry.get_sample_value("sglang:num_requests_total", MODEL) == 0
