@@ -1,8 +1,9 @@
 """The images (read, not built: no Docker engine here) install what the chart runs.
 
 Pinned: the entrypoint is the package's `kubesgl` script; every container the chart starts passes arguments
-the real CLI parses; the CPU services image installs the package's requirements minus torch, and those
-services really start without torch; images run as the UID the chart's security context names.
+the real CLI parses; the CPU image installs the CPU-only torch build and then the package's other requirements;
+the CPU services start without importing torch (xgrammar and torch load on the first constrained request); images
+run as the UID the chart's security context names.
 """
 
 from __future__ import annotations
@@ -186,7 +187,7 @@ def test_copied_sources_exist_and_reach_the_build_context(dockerfile: str) -> No
     assert not dockerignore_allows("libs/kubesgl/__pycache__/cli.cpython-312.pyc")
 
 
-def test_cpu_services_image_installs_every_requirement_but_torch() -> None:
+def test_cpu_image_installs_the_cpu_torch_then_every_other_requirement() -> None:
     done = subprocess.run(
         [sys.executable, "docker/requirements.py", "--without", "torch"],
         cwd=ROOT,
@@ -210,8 +211,9 @@ def test_torch_pins_match_the_makefile() -> None:
         assert f"TORCH_VERSION={pin.group(1)}" in args, dockerfile
     cuda_build = " ".join(rest for kw, rest in stages("Dockerfile.cuda")[0].instructions if kw == "RUN")
     assert 'pip install ".[gpu]"' in cuda_build
-    cpu_scheduler = " ".join(rest for kw, rest in stages("Dockerfile.cpu")[1].instructions if kw == "RUN")
-    assert "download.pytorch.org/whl/cpu" in cpu_scheduler
+    # Both CPU targets carry the CPU-only torch build: the scheduler's engine, the services' xgrammar.
+    cpu_build = " ".join(rest for kw, rest in stages("Dockerfile.cpu")[0].instructions if kw == "RUN")
+    assert "download.pytorch.org/whl/cpu" in cpu_build
 
 
 def chart_containers() -> Iterator[tuple[str, dict[str, Any]]]:
@@ -370,3 +372,21 @@ def test_cpu_services_start_without_torch(
         if process.poll() is None:
             process.kill()
             process.wait(timeout=10)
+
+
+def test_without_torch_a_grammar_check_is_a_clear_503_not_a_crash(torch_absent_env: dict[str, str]) -> None:
+    """An image missing torch (so xgrammar) answers a constrained request with a 503 that says what is missing."""
+    code = (
+        "from kubesgl.errors import ServiceUnavailableError\n"
+        "from kubesgl.structured.constraint import check_constraint\n"
+        "from kubesgl.values.constraint import Constraint\n"
+        "try:\n"
+        "    check_constraint(Constraint('regex', 'a+', param='regex'))\n"
+        "except ServiceUnavailableError as e:\n"
+        "    print(e.status, e)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=torch_absent_env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("503 regex: this service cannot check grammars"), done.stdout

@@ -80,8 +80,12 @@ def test_gateway_ttft_agrees_with_the_clients_under_a_burst(served: Stack) -> No
         sum1, count1 = gateway_ttft(http)
     assert count1 - count0 == STREAMS
     gateway_mean, client_mean = (sum1 - sum0) / STREAMS, sum(clients) / STREAMS
-    # The client's clock also holds its own connect and send: the gateway's may be a little lower.
-    assert abs(gateway_mean - client_mean) <= 0.1 * client_mean, (gateway_mean, client_mean)
+    # The client's clock also holds its own connect, send and its event loop's turn among 48 streams: the
+    # gateway's may be lower by that, which on a 2-core CI runner shared with another test worker reached 81 ms
+    # of a 0.71 s mean (one clean-clone run). Within 10 %, or 0.1 s where the mean is under a second; never above
+    # the client's (the gateway cannot see the first chunk after the client does).
+    assert client_mean - gateway_mean <= max(0.1 * client_mean, 0.1), (gateway_mean, client_mean)
+    assert gateway_mean <= 1.02 * client_mean, (gateway_mean, client_mean)
 
 
 def test_gateway_ttft_counts_the_time_its_body_takes_to_arrive(served: Stack) -> None:

@@ -5,7 +5,6 @@ engine took to start and to load its weights."""
 from __future__ import annotations
 
 import asyncio
-import time
 import urllib.request
 from collections.abc import Iterator
 
@@ -15,6 +14,7 @@ from kubesgl.launcher import Stack
 from kubesgl.values.sampling import SamplingParams
 from prometheus_client.parser import text_string_to_metric_families
 from support.bus_client import BusClient
+from support.waiting import wait_until
 
 PAGES, PAGE_SIZE = 120, 4  # room for about two of the requests below at once: the scheduler must preempt
 
@@ -64,11 +64,17 @@ def test_capacity_startup_and_preemption_gauges(tight: Stack) -> None:
     assert before["sglang:engine_startup_time"] > before["sglang:engine_load_weights_time"] > 0
     assert before["sglang:num_retracted_requests_total"] == 0
     asyncio.run(load(tight))
-    # Stats reach the gauges with the next heartbeat; then nothing runs and nothing is used.
-    deadline = time.monotonic() + 10
-    while (after := scrape(tight))["sglang:num_used_tokens"] != 0 and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert after["sglang:num_used_tokens"] == 0
-    assert after["sglang:num_retracted_requests_total"] > 0, "twelve requests in room for two must preempt"
+    # Stats reach the gauges with a later heartbeat: until one comes, a scrape still shows the idle engine of
+    # before the load (0 used, 0 retracted), so wait for the load's preemptions to be counted, with nothing used.
+    after = wait_until(
+        lambda: (
+            (s := scrape(tight))["sglang:num_retracted_requests_total"] > 0
+            and s["sglang:num_used_tokens"] == 0
+            and s
+        ),
+        "the twelve requests' preemptions are counted (room for two must preempt) and no token is in use",
+        timeout_s=20,
+        interval_s=0.2,
+    )
     assert after["sglang:num_retracted_reqs"] >= 0
     assert after["sglang:max_total_num_tokens"] == before["sglang:max_total_num_tokens"]

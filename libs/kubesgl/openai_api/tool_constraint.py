@@ -16,8 +16,7 @@ from typing import Any
 
 from kubesgl.errors import InvalidRequestError
 from kubesgl.openai_api.tool_calls import LLAMA3, MISTRAL, QWEN25, ToolCallFormat
-from kubesgl.structured.compiler import DEFAULT_MAX_WHITESPACE
-from kubesgl.structured.constraint import Constraint
+from kubesgl.structured.constraint import DEFAULT_MAX_WHITESPACE, Constraint
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 _EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}

@@ -22,11 +22,9 @@ from typing import Any
 
 import xgrammar as xgr
 
-from kubesgl.structured.constraint import Constraint, grammar_errors
+from kubesgl.structured.constraint import DEFAULT_MAX_WHITESPACE, Constraint, grammar_errors
 
 DEFAULT_CACHE_BYTES = 512 << 20
-# Consecutive whitespace allowed between JSON tokens: unbounded, some models emit newlines forever.
-DEFAULT_MAX_WHITESPACE = 16
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from kubesgl.errors import InvalidRequestError
+from kubesgl.errors import InvalidRequestError, ServiceUnavailableError
 from kubesgl.values.constraint import KINDS, Constraint, ConstraintKind
 
 __all__ = ["KINDS", "Constraint", "ConstraintKind", "check_constraint", "grammar_errors"]
@@ -18,11 +18,21 @@ __all__ = ["KINDS", "Constraint", "ConstraintKind", "check_constraint", "grammar
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: " and sometimes a failed-check preamble.
 _XGR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
 _MAX_ERROR_CHARS = 300
+# Consecutive whitespace allowed between JSON tokens (unbounded, some models emit newlines forever); here, not
+# in compiler.py, so the services can name it without importing xgrammar (which imports torch).
+DEFAULT_MAX_WHITESPACE = 16
 
 
 def check_constraint(constraint: Constraint) -> None:
-    """Raises InvalidRequestError naming `constraint.param` if xgrammar cannot build the grammar."""
-    import xgrammar as xgr
+    """Raises InvalidRequestError naming `constraint.param` if xgrammar cannot build the grammar, and
+    ServiceUnavailableError when this process cannot import xgrammar (it needs torch: an image without it)."""
+    try:
+        import xgrammar as xgr
+    except ImportError as e:
+        raise ServiceUnavailableError(
+            f"{constraint.param}: this service cannot check grammars: xgrammar does not import here ({e}); "
+            "its image needs xgrammar and the CPU torch wheel"
+        ) from None
 
     builders = {
         "json_schema": xgr.Grammar.from_json_schema,
