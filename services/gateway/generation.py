@@ -37,8 +37,15 @@ class ChoiceEvent:
 
 @dataclass(frozen=True)
 class Limits:
-    deadline: float  # absolute, unix seconds
+    deadline: float  # absolute, unix seconds (what the wire carries to the other processes)
     inactivity_s: float
+    # The same deadline on this process's monotonic clock, taken when the limits are made: a stream's expiry must
+    # not move when the wall clock is stepped or slewed (on CI a 2 s deadline once fired 6 ms early by the
+    # client's monotonic clock, with the stream timed on time.time()).
+    deadline_mono: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "deadline_mono", time.monotonic() + (self.deadline - time.time()))
 
 
 @dataclass
@@ -75,7 +82,7 @@ class ChoiceGeneration:
         while True:
             # Checked before every wait, not only after a silent one: a stream whose deltas never pause
             # would otherwise outlive its deadline (the scheduler's own expiry comes seconds later).
-            left = self.limits.deadline - time.time()
+            left = self.limits.deadline_mono - time.monotonic()
             if left <= 0:
                 raise DeadlineExceededError("the request exceeded its deadline")
             delta = await self._stream.next(min(_POLL_S, left))
