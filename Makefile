@@ -32,8 +32,8 @@ up: $(STAMP)
 test: $(STAMP)
 	bash tests/run.sh $(PYTEST_ARGS)
 
-# The unit groups only (tests/layout.toml's unit/*, less `slow`): 723 tests took 283 s (2026-12-03) on the
-# shared 2-core box with other test runs alongside (load average 4-6); the < 2 min target needs an idle box.
+# The unit groups only (tests/layout.toml's unit/*, less `slow`): 670 passed + 81 GPU-only skipped in 142 s on an
+# idle 2-core box (2026-12-03; 283 s with other test runs alongside): over the < 2 min target by ~20 s.
 test-fast: $(STAMP)
 	bash tests/run.sh --fast $(PYTEST_ARGS)
 
