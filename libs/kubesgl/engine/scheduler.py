@@ -58,6 +58,9 @@ class Scheduler:
         self.pool = pool
         self.cache = cache
         self.waiting: deque[Req] = deque()
+        # Queued requests whose grammar is still compiling: what _resolve_grammars looks at, so a step scans
+        # nothing when no grammar is compiling (not the whole queue, every step).
+        self._compiling: list[Req] = []
         self.running: list[Req] = []
         self.reqs: dict[str, Req] = {}
         self._free_slots = list(range(limits.max_running_requests - 1, -1, -1))
@@ -124,6 +127,7 @@ class Scheduler:
         if params.constraint is not None:
             assert self.grammars is not None
             req.grammar_future = self.grammars.submit(params.constraint)
+            self._compiling.append(req)
         start = params.logprobs.prompt_start if params.logprobs is not None else None
         if start == 0:
             req.prompt_logprobs.append(TokenLogprob(input_ids[0], None))  # nothing before it to predict it
@@ -175,9 +179,15 @@ class Scheduler:
 
     def _resolve_grammars(self) -> None:
         """Queued requests whose grammar finished compiling get their matcher (or fail, when it did not)."""
-        for req in [r for r in self.waiting if r.grammar_future is not None and r.grammar_future.done()]:
+        if not self._compiling:
+            return
+        # An aborted request left the queue and dropped its future (_finish): it only leaves this list.
+        done = [r for r in self._compiling if r.grammar_future is None or r.grammar_future.done()]
+        self._compiling = [r for r in self._compiling if r not in done]
+        for req in done:
             future, req.grammar_future = req.grammar_future, None
-            assert future is not None
+            if future is None:
+                continue
             err = future.exception()
             if err is None:
                 stops = (*self.limits.eos_token_ids, *req.params.stop_token_ids)
@@ -189,7 +199,7 @@ class Scheduler:
 
     def grammar_pending(self) -> Future[CompiledConstraint] | None:
         """A grammar some queued request waits for (the engine idles on it when nothing else can run)."""
-        return next((r.grammar_future for r in self.waiting if r.grammar_future is not None), None)
+        return next((r.grammar_future for r in self._compiling if r.grammar_future is not None), None)
 
     @staticmethod
     def grammar_states(plan: BatchPlan, reqs: list[Req]) -> list[GrammarState | None]:
