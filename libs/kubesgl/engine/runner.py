@@ -159,7 +159,7 @@ class PromptLogprobs:
 
 @dataclass
 class PendingSample:
-    """A step whose forward is launched and whose sampling waits for its grammar rows' bitmask."""
+    """A launched step's sampler inputs; returned unsampled when grammar rows wait for their bitmask."""
 
     plan: BatchPlan
     logits: torch.Tensor  # [num sampled, V] float32
@@ -371,9 +371,8 @@ class ModelRunner:
     ) -> StepResult | PendingSample:
         """The eager sampler over the rows that sample (slots_t, seq_lens_t: theirs, on the device); their
         tokens go into the token pool. With grammar rows, sampling waits for `sample_masked`."""
-        if plan.grammar_rows:
-            return PendingSample(plan, logits, slots_t, seq_lens_t, prompt)
-        return self._sample_now(plan, logits, slots_t, seq_lens_t, prompt)
+        pending = PendingSample(plan, logits, slots_t, seq_lens_t, prompt)
+        return pending if plan.grammar_rows else self._sample_now(pending)
 
     def sample_masked(self, pending: PendingSample, bitmask: torch.Tensor | None) -> StepResult:
         """Samples a pending step with its grammar rows masked. `bitmask`: rank 0's int32 [len(grammar_rows),
@@ -384,18 +383,16 @@ class ModelRunner:
                 len(pending.plan.grammar_rows), width, dtype=torch.int32, device=self.device
             )
         self.tp.broadcast(bitmask)
-        p = pending
-        return self._sample_now(p.plan, p.logits, p.slots_t, p.seq_lens_t, p.prompt, bitmask)
+        return self._sample_now(pending, bitmask)
 
-    def _sample_now(
-        self,
-        plan: BatchPlan,
-        logits: torch.Tensor,
-        slots_t: torch.Tensor,
-        seq_lens_t: torch.Tensor,
-        prompt: PromptLogprobs | None = None,
-        bitmask: torch.Tensor | None = None,
-    ) -> StepResult:
+    def _sample_now(self, pending: PendingSample, bitmask: torch.Tensor | None = None) -> StepResult:
+        plan, logits, slots_t, seq_lens_t, prompt = (
+            pending.plan,
+            pending.logits,
+            pending.slots_t,
+            pending.seq_lens_t,
+            pending.prompt,
+        )
         pick = [i for i, s in enumerate(plan.sample) if s]
         seq_lens = plan.seq_lens
         toks, chosen, top_ids, top_lp = self.sampler.sample(
