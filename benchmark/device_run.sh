@@ -117,6 +117,10 @@ case "$mode" in
     timeout 80 $B --model Qwen3-0.6B --max-prefill-length 16384 | tail -1
     timeout 80 env TORCH_BLAS_PREFER_CUBLASLT=1 $B --model Qwen3-0.6B | tail -1
     ;;
+  jsontest)  # the structured-output GPU test alone (graph + overlap masking paths)
+    timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/unit/structured/test_structured_engine.py 2>&1 | tail -8 \
+      | tee "$OUT/gpu_tests_json.txt"
+    ;;
   big)  # Qwen3-14B on the offline benchmark (random weights), bounded
     timeout 110 $B --model Qwen3-14B | tail -1
     ;;
