@@ -1,7 +1,7 @@
 """`kubesgl bench serve`: drives a running gateway with the seed workload shape and compares it with the
 offline LLM on the same requests.
 
-Workload: kubesgl.bench.offline's (python `random` seeded 0; prompts of randint(min_in, max_in) token ids
+Workload: kubesgl.bench.offline's (python `random` seeded 0, or `--seed`; prompts of randint(min_in, max_in) token ids
 from randint(0, 10000), then max_tokens randint(min_out, max_out) each; temperature 0.6; EOS ignored), with
 defaults scaled down for a CPU. Every request is a streamed /v1/completions call with token-id prompts,
 sent at once (or `--max-concurrency` at a time). Reported: output tok/s over the wall time, TTFT p50/p99,
@@ -63,6 +63,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-output", type=int, default=16)
     p.add_argument("--max-output", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.6)
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="workload seed (0: the seed workload); a second run on the same stack needs another, or its "
+        "prompts hit the prefix cache the first run filled",
+    )
     p.add_argument("--max-concurrency", type=int, default=0, help="requests in flight at once (0 = all)")
     p.add_argument("--model", default=None, help="model dir: also run the offline LLM on the same requests")
     p.add_argument("--device", default="cpu", help="offline LLM device (match the scheduler's)")
@@ -85,8 +92,9 @@ def main(args: argparse.Namespace) -> int:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     if args.workload == "shared-prefix":
         return _report(asyncio.run(_serve_shared_prefix(args, headers)), args)
-    prompts, max_tokens = make_workload(args)
+    prompts, max_tokens = make_workload(args, args.seed)
     res: dict[str, Any] = {
+        "seed": args.seed,
         "requests": len(prompts),
         "prompt_tokens": sum(map(len, prompts)),
         "requested_output_tokens": sum(max_tokens),
