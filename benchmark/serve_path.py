@@ -160,6 +160,7 @@ class Result:
     client_ns: int
     first_s: float | None = None
     tokens: int = 0
+    chunks: int = 0  # SSE events with a choice (fewer than tokens where the gateway coalesced queued ones)
     trace_id: str | None = None
     error: str | None = None
 
@@ -170,6 +171,7 @@ async def drive(url: str, prompts: list[list[int]], outputs: list[int], trace_ev
         trace_id = secrets.token_hex(16)
         parent = f"00-{trace_id}-{secrets.token_hex(8)}-{'01' if traced else '00'}"
         body = {"model": "demo", "prompt": ids, "max_tokens": n, "ignore_eos": True, "stream": True}
+        body["stream_options"] = {"include_usage": True}  # a chunk may carry several tokens: count from usage
         res = Result(time.time_ns(), trace_id=trace_id if traced else None)
         start = time.perf_counter()
         try:
@@ -182,7 +184,9 @@ async def drive(url: str, prompts: list[list[int]], outputs: list[int], trace_ev
                     break
                 if res.first_s is None and any(c.get("text") for c in event["choices"]):
                     res.first_s = time.perf_counter() - start
-                res.tokens += 1
+                res.chunks += len(event["choices"])
+                if event.get("usage"):
+                    res.tokens = event["usage"]["completion_tokens"]
         except Exception as e:  # a benchmark counts failures, it does not stop at one
             res.error = f"{type(e).__name__}: {e}"
         return res
@@ -251,6 +255,7 @@ async def run_once(
         "failed": len(results) - len(ok),
         "errors": sorted({r.error for r in results if r.error})[:3],
         "output_tokens": tokens,
+        "tokens_per_chunk": round(tokens / max(sum(r.chunks for r in ok), 1), 3),
         "seconds": round(wall, 3),
         "path_tok_s": round(tokens / wall),
         "engine_tok_s": round(fake_engine_rate(args, lens, outputs)),
@@ -271,7 +276,7 @@ def print_row(row: dict[str, Any]) -> None:
     print(
         f"\n{row['streams']} streams: {row['path_tok_s']} tok/s through the path, fake engine alone "
         f"{row['engine_tok_s']} ({row['path_over_engine']}); failed {row['failed']}; "
-        f"client TTFT mean {row['client_ttft_mean_ms']} ms"
+        f"client TTFT mean {row['client_ttft_mean_ms']} ms; {row['tokens_per_chunk']} tokens per SSE chunk"
     )
     for error in row["errors"]:
         print(f"  error: {error}")

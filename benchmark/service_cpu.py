@@ -1,5 +1,6 @@
-"""Every service process's CPU time under a `kubesgl up`, read from /proc (no psutil on the device), so a device
-run can say which process caps the serving path: on a host with a core per service, the one near a full core.
+"""Every service process's CPU time under a `kubesgl up`, read from /proc (no psutil on the device), so a
+device run can say which process caps the serving path: on a host with a core per service, the one near a
+full core.
 
     python3 benchmark/service_cpu.py snapshot UP_PID LABEL >> cpu.jsonl    # before and after each bench run
     python3 benchmark/service_cpu.py summary cpu.jsonl serve.jsonl        # per run: CPU us per output token

@@ -1,6 +1,6 @@
-"""The gateway's HTTP protocol: uvicorn's own, plus the time each connection's first request reached this host,
-so the gateway's TTFT also counts what a busy event loop makes a new connection wait before ASGI entry (its
-accept, its first read, the HTTP parse, the task's first turn).
+"""The gateway's HTTP protocol: uvicorn's own, plus the time each connection's first request reached this
+host, so the gateway's TTFT also counts what a busy event loop makes a new connection wait before ASGI entry
+(its accept, its first read, the HTTP parse, the task's first turn).
 
 Where Linux tells it (TCP_INFO's `tcpi_last_data_recv`, read at the first bytes the loop takes from the
 socket), that time is when the kernel received the request's bytes, accept queue included; elsewhere it is the

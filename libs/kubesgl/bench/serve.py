@@ -1,8 +1,8 @@
 """`kubesgl bench serve`: drives a running gateway with the seed workload shape and compares it with the
 offline LLM on the same requests.
 
-Workload: kubesgl.bench.offline's (python `random` seeded 0, or `--seed`; prompts of randint(min_in, max_in) token ids
-from randint(0, 10000), then max_tokens randint(min_out, max_out) each; temperature 0.6; EOS ignored), with
+Workload: kubesgl.bench.offline's (python `random` seeded 0, or `--seed`; prompts of randint(min_in, max_in)
+token ids from randint(0, 10000), then max_tokens randint(min_out, max_out) each; temperature 0.6; EOS ignored), with
 defaults scaled down for a CPU. Every request is a streamed /v1/completions call with token-id prompts,
 sent at once (or `--max-concurrency` at a time). Reported: output tok/s over the wall time, TTFT p50/p99,
 ITL p50/p99 (gaps between streamed chunks, as a client sees them) and TPOT (per request, (last - first
@@ -36,6 +36,7 @@ from kubesgl.bench.sse_client import HttpStatusError, post_events
 from kubesgl.bench.timing import RequestTiming, percentile
 
 SINGLE_TTFT_RUNS = 5
+WARM_UP_TIMEOUT_S = 60.0
 DEFAULT_URL = "http://127.0.0.1:8000"
 
 
@@ -126,8 +127,8 @@ async def _serve_shared_prefix(args: argparse.Namespace, headers: dict[str, str]
     urls = gateway_urls(args)
     async with _client(headers) as http:
         model = args.served_model or await _first_model(http, urls[0])
-        for url in urls:  # warm-up
-            await _stream(url, headers, model, [1, 2, 3, 4, 5, 6, 7, 8], 2, args.temperature)
+        for url in urls:
+            await _warm_up(url, headers, model, [1, 2, 3, 4, 5, 6, 7, 8], args.temperature)
         sent = itertools.count()
 
         async def send(ids: list[int], n: int) -> RequestTiming:
@@ -143,8 +144,8 @@ async def _serve(
     urls = gateway_urls(args)
     async with _client(headers) as http:
         model = args.served_model or await _first_model(http, urls[0])
-        for url in urls:  # warm-up, every gateway
-            await _stream(url, headers, model, prompts[0][:8], 2, args.temperature)
+        for url in urls:
+            await _warm_up(url, headers, model, prompts[0][:8], args.temperature)
         gate = asyncio.Semaphore(args.max_concurrency or len(prompts))
 
         async def one(url: str, ids: list[int], n: int) -> RequestTiming:
@@ -201,6 +202,17 @@ async def _serve(
         "tpot_p50_s": percentile(tpots, 50),
         "single_ttft_s": round(statistics.median(t.ttft or float("nan") for t in singles), 4),
     }
+
+
+async def _warm_up(url: str, headers: dict[str, str], model: str, ids: list[int], temperature: float) -> None:
+    """One short request through `url`, retried while the stack answers 503: a gateway may list the model
+    (it heard the scheduler's heartbeat) a moment before the tokenizer has, and a burst sent then fails."""
+    deadline = time.monotonic() + WARM_UP_TIMEOUT_S
+    while True:
+        error = (await _stream(url, headers, model, ids, 2, temperature)).error
+        if error is None or not error.startswith("HTTP 503") or time.monotonic() > deadline:
+            return
+        await asyncio.sleep(0.5)
 
 
 async def _stream(
