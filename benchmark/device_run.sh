@@ -121,6 +121,14 @@ case "$mode" in
     timeout 90 $B --model Qwen3-0.6B | tail -1
     timeout 90 $B --model Qwen3-0.6B --json-fraction 0.1 | tail -1
     ;;
+  knobs)  # what a decode step's small kernels cost (kernel boundary, projections cold/hot, cuBLAS vs cuBLASLt),
+          # then the offline benchmark: default, a 16k-token prefill chunk, cuBLASLt for every GEMM (same call)
+    timeout 150 python3 benchmark/kernel_bench.py --part latency --json "$OUT/kb_latency.jsonl" 2>&1 | grep -v Warn | tail -2
+    python3 benchmark/kernel_bench.py --summary "$OUT/kb_latency.jsonl" | tee "$OUT/kb_latency.txt"
+    timeout 80 $B --model Qwen3-0.6B | tail -1
+    timeout 80 $B --model Qwen3-0.6B --max-prefill-length 16384 | tail -1
+    timeout 80 env TORCH_BLAS_PREFER_CUBLASLT=1 $B --model Qwen3-0.6B | tail -1
+    ;;
   big)  # Qwen3-14B on the offline benchmark (random weights), bounded
     timeout 110 $B --model Qwen3-14B | tail -1
     ;;
