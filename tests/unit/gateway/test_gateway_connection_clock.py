@@ -19,7 +19,7 @@ from kubesgl.launcher import free_port
 from kubesgl.services.gateway.access_log import AccessLog, arrival_of
 from kubesgl.services.gateway.http_protocol import TimedHttpProtocol
 
-BLOCK_S = 0.4
+BLOCK_S = 0.6
 # tcpi_last_data_recv is kept in jiffies (4 ms at HZ=250, 10 ms at HZ=100) and reported in ms.
 SLACK_S = 0.015
 
@@ -99,7 +99,7 @@ def test_a_new_connection_is_timed_from_its_bytes_arrival_not_its_late_asgi_entr
         probe = _response(conn)
     _response(blocker)
     blocker.close()
-    assert probe["entered"] - sent > BLOCK_S / 2  # the request did wait for the loop
+    assert probe["entered"] - sent > 0.2  # the request did wait for the loop (most of BLOCK_S)
     if hasattr(socket, "TCP_INFO"):  # the kernel's receipt of the request: not its connect, not its accept
         assert connected + 0.1 - SLACK_S <= probe["arrival"] <= sent + SLACK_S, (connected, sent, probe)
     else:  # the connection's accept, before ASGI entry
