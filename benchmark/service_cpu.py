@@ -66,9 +66,8 @@ def summary(cpu_path: str, serve_path: str) -> None:
         print(f"{after['label']}: {run['gateways']} gateway(s), {run['output_tok_s']} tok/s, {tokens} tokens")
         for name, s in after["cpu_s"].items():
             used = s - before["cpu_s"].get(name, 0.0)
-            print(
-                f"  {name:<22} {1e6 * used / max(tokens, 1):8.1f} us/token  {used / run['seconds']:5.2f} cores"
-            )
+            per_token, cores = 1e6 * used / max(tokens, 1), used / run["seconds"]
+            print(f"  {name:<22} {per_token:8.1f} us/token  {cores:5.2f} cores")
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ def main(args: argparse.Namespace) -> int:
     server = _Server(
         uvicorn.Config(
             app,
-            http=TimedHttpProtocol,  # the TTFT clock of a connection's first request starts at its bytes' arrival
+            http=TimedHttpProtocol,  # a connection's first request is timed from its bytes' arrival
             host=config.host,
             port=config.port,
             log_level=config.log_level,

@@ -3,8 +3,8 @@ offline LLM on the same requests.
 
 Workload: kubesgl.bench.offline's (python `random` seeded 0, or `--seed`; prompts of randint(min_in, max_in)
 token ids from randint(0, 10000), then max_tokens randint(min_out, max_out) each; temperature 0.6; EOS
-ignored), with defaults scaled down for a CPU. Every request is a streamed /v1/completions call with token-id prompts,
-sent at once (or `--max-concurrency` at a time). Reported: output tok/s over the wall time, TTFT p50/p99,
+ignored), with defaults scaled down for a CPU. Every request is a streamed /v1/completions call with token-id
+prompts, sent at once (or `--max-concurrency` at a time). Reported: output tok/s over the wall time, TTFT p50/p99,
 ITL p50/p99 (gaps between streamed chunks, as a client sees them) and TPOT (per request, (last - first
 chunk) / (tokens - 1)), beside the gateway's own TTFT mean over the same burst (its /metrics), which should
 agree with the client's. Requests go out through sse_client, not httpx, whose pool would queue them.
