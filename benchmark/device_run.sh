@@ -88,18 +88,30 @@ case "$mode" in
     timeout 80 $B --model Qwen3-0.6B --enable-mixed-chunk | tail -1
     timeout 80 $B --model Qwen3-0.6B | tail -1
     ;;
-  serve)  # kubesgl bench serve: 256 concurrent streams through kubesgl up (Qwen3-0.6B, random weights), then the
-          # offline LLM on the same requests in the same call: serve/offline, and client vs gateway TTFT (<= 200 s)
-    M=/tmp/kubesgl-serve/Qwen3-0.6B
-    python3 -c "from kubesgl.models.random_init import write_serving_config as w; w('Qwen3-0.6B', '$M')"
+  serve)  # kubesgl bench serve, 256 concurrent streams, through ONE `kubesgl up --gateways 4 --detokenizers 2`
+          # (Qwen3-0.6B, random weights): every stream through gateway 0 alone (g1), then round-robin over the 4
+          # gateways with the offline LLM on the same requests after it (g4: serve/offline), then g1 again (order
+          # effects); each run its own seed (fresh prompts: no prefix-cache hits from the run before). Each
+          # service's CPU per output token and in cores over every run: serve_cpu.txt. ~4-5 min.
+          # SERVE_* override the device defaults (the CPU check: docs/performance.md, serving section).
+    M=${SERVE_MODEL:-/tmp/kubesgl-serve/Qwen3-0.6B}; G=4; DEV=${SERVE_DEVICE:-cuda}; P=${SERVE_PORT:-8000}
+    W=${SERVE_WORKLOAD:---num-seqs 256 --min-input 100 --max-input 1024 --min-output 100 --max-output 1024}
     # Both engines hold their KV at once: fixed, equal pools (24k pages of 16 = 384k tokens; the workload needs 277k).
-    timeout 195 python3 -m kubesgl.cli up --model $M --device cuda --port 8000 --base-port 8100 \
-      --scheduler-args "--dummy-weight --page-size 16 --num-pages 24000" > "$OUT/serve_up.log" 2>&1 &
+    KV=${SERVE_KV:---page-size 16 --num-pages 24000}
+    [ -n "${SERVE_MODEL:-}" ] || python3 -c "from kubesgl.models.random_init import write_serving_config as w; w('Qwen3-0.6B', '$M')"
+    URLS=$(seq -s, -f "http://127.0.0.1:%.0f" $P $((P + G - 1)))
+    timeout 420 python3 -m kubesgl.cli up --model $M --device $DEV --port $P --base-port $((P + 100)) --gateways $G \
+      --detokenizers 2 --scheduler-args "--dummy-weight $KV" > "$OUT/serve_up.log" 2>&1 &
     UP=$!
-    timeout 185 bash -c "python3 benchmark/wait_models.py http://127.0.0.1:8000 120 && \
-      python3 -m kubesgl.cli bench serve --url http://127.0.0.1:8000 --num-seqs 256 --min-input 100 --max-input 1024 \
-        --min-output 100 --max-output 1024 --model $M --dummy-weight --device cuda --page-size 16 --num-pages 24000 \
-        --json $OUT/serve.jsonl" 2>&1 | grep -v Warn | tail -20 | tee "$OUT/serve.txt"
+    S="python3 -m kubesgl.cli bench serve $W --json $OUT/serve.jsonl"
+    C="python3 benchmark/service_cpu.py snapshot $UP"
+    timeout 400 bash -c "for u in ${URLS//,/ }; do python3 benchmark/wait_models.py \$u 150 || exit 1; done
+      $C g1 >> $OUT/serve_cpu.jsonl; $S --seed 1 --url http://127.0.0.1:$P; $C g1 >> $OUT/serve_cpu.jsonl
+      $C g$G >> $OUT/serve_cpu.jsonl; $S --seed 0 --url $URLS --model $M --dummy-weight --device $DEV $KV
+      $C g$G >> $OUT/serve_cpu.jsonl
+      $C g1-again >> $OUT/serve_cpu.jsonl; $S --seed 2 --url http://127.0.0.1:$P; $C g1-again >> $OUT/serve_cpu.jsonl" \
+      2>&1 | grep -v Warn | tail -60 | tee "$OUT/serve.txt"
+    python3 benchmark/service_cpu.py summary "$OUT/serve_cpu.jsonl" "$OUT/serve.jsonl" | tee "$OUT/serve_cpu.txt"
     kill -INT $UP; wait $UP
     grep -E "Traceback|Error" "$OUT/serve_up.log" | head -5
     ;;

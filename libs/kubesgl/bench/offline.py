@@ -72,8 +72,8 @@ BENCH_SCHEMA = {
 }
 
 
-def make_workload(args: argparse.Namespace) -> tuple[list[list[int]], list[int]]:
-    rng = random.Random(0)
+def make_workload(args: argparse.Namespace, seed: int = 0) -> tuple[list[list[int]], list[int]]:
+    rng = random.Random(seed)
     prompts = [
         [rng.randint(0, 10000) for _ in range(rng.randint(args.min_input, args.max_input))]
         for _ in range(args.num_seqs)
