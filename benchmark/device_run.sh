@@ -101,7 +101,7 @@ case "$mode" in
     [ -n "${SERVE_MODEL:-}" ] || python3 -c "from kubesgl.models.random_init import write_serving_config as w; w('Qwen3-0.6B', '$M')"
     URLS=$(seq -s, -f "http://127.0.0.1:%.0f" $P $((P + G - 1)))
     timeout 420 python3 -m kubesgl.cli up --model $M --device $DEV --port $P --base-port $((P + 100)) --gateways $G \
-      --detokenizers 2 --scheduler-args "--dummy-weight $KV" > "$OUT/serve_up.log" 2>&1 &
+      --detokenizers 2 --scheduler-args "--dummy-weight $KV ${SERVE_SCHED_ARGS:-}" > "$OUT/serve_up.log" 2>&1 &
     UP=$!
     S="python3 -m kubesgl.cli bench serve $W --json $OUT/serve.jsonl"
     C="python3 benchmark/service_cpu.py snapshot $UP"

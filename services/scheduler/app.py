@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 
 from kubesgl.engine.config import EngineConfig
 from kubesgl.engine.engine import Engine, local_ranks, run_node_ranks
@@ -53,6 +54,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attn", default=d.attn, help="attention backend: torch|triton|flashinfer|fa3|auto")
     parser.add_argument("--cuda-graph-max-bs", type=int, default=d.cuda_graph_max_bs, help="0 disables")
     parser.add_argument("--disable-overlap", action="store_true", help="no overlap scheduling")
+    parser.add_argument(
+        "--gil-switch-interval-ms",
+        type=_positive_float,
+        default=None,
+        help="Python's thread switch interval (sys.setswitchinterval; default Python's 5 ms): how long the engine "
+        "thread may wait for the GIL while the bus thread runs Python code",
+    )
     parser.add_argument(
         "--enable-mixed-chunk",
         action=argparse.BooleanOptionalAction,
@@ -118,6 +126,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
 def _non_negative_int(text: str) -> int:
     value = int(text)
     if value < 0:
@@ -179,6 +194,8 @@ def run_worker_node(config: EngineConfig, log_level: str) -> int:
 
 def main(args: argparse.Namespace) -> int:
     config = engine_config(args)
+    if args.gil_switch_interval_ms is not None:
+        sys.setswitchinterval(args.gil_switch_interval_ms / 1e3)
     if config.node_rank > 0:
         return run_worker_node(config, args.log_level)
     instance_id = args.instance_id or socket.gethostname()

@@ -389,3 +389,13 @@ async def test_a_detok_batch_size_below_one_is_refused_clearly(
     nc = await bus.connect()
     with pytest.raises(ValueError, match="detok_batch_size must be >= 1, got 0"):
         SchedulerService(nc, INSTANCE, "demo", 64, 64, FakeEngineLoop, asyncio.Event(), detok_batch_size=0)
+
+
+def test_the_gil_switch_interval_flag_takes_positive_milliseconds(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser()
+    scheduler_app.add_arguments(parser)
+    assert parser.parse_args(["--model", "m"]).gil_switch_interval_ms is None  # Python's own 5 ms
+    assert parser.parse_args(["--model", "m", "--gil-switch-interval-ms", "0.5"]).gil_switch_interval_ms == 0.5
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model", "m", "--gil-switch-interval-ms", "0"])
+    assert "--gil-switch-interval-ms: must be > 0, got 0" in capsys.readouterr().err
