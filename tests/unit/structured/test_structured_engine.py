@@ -134,6 +134,8 @@ def test_graph_and_overlap_paths_mask_and_bias_alike(tmp_path) -> None:  # type:
     assert outs[3]["token_ids"] == [42] * 6
 
 
+# Starts a TP=2 group (a spawned rank process, gloo): ~14 s run alone on the shared 2-core box, the slowest unit test.
+@pytest.mark.slow  # as test_engine_parity's test_tp2_matches_tp1: `make test` runs it, `make test-fast` does not
 def test_tp2_ranks_mask_and_sample_alike(llm: LLM, demo_model_dir: str) -> None:
     """Rank 0 alone holds the matchers and broadcasts the bitmask: a TP=2 engine gives TP=1's constrained tokens."""
     params = [
