@@ -88,18 +88,30 @@ case "$mode" in
     timeout 80 $B --model Qwen3-0.6B --enable-mixed-chunk | tail -1
     timeout 80 $B --model Qwen3-0.6B | tail -1
     ;;
-  serve)  # kubesgl bench serve: 256 concurrent streams through kubesgl up (Qwen3-0.6B, random weights), then the
-          # offline LLM on the same requests in the same call: serve/offline, and client vs gateway TTFT (<= 200 s)
-    M=/tmp/kubesgl-serve/Qwen3-0.6B
-    python3 -c "from kubesgl.models.random_init import write_serving_config as w; w('Qwen3-0.6B', '$M')"
+  serve)  # kubesgl bench serve, 256 concurrent streams, through ONE `kubesgl up --gateways 4 --detokenizers 2`
+          # (Qwen3-0.6B, random weights): every stream through gateway 0 alone (g1), then round-robin over the 4
+          # gateways with the offline LLM on the same requests after it (g4: serve/offline), then g1 again (order
+          # effects); each run its own seed (fresh prompts: no prefix-cache hits from the run before). Each
+          # service's CPU per output token and in cores over every run: serve_cpu.txt. ~4-5 min.
+          # SERVE_* override the device defaults (the CPU check: docs/performance.md, serving section).
+    M=${SERVE_MODEL:-/tmp/kubesgl-serve/Qwen3-0.6B}; G=4; DEV=${SERVE_DEVICE:-cuda}; P=${SERVE_PORT:-8000}
+    W=${SERVE_WORKLOAD:---num-seqs 256 --min-input 100 --max-input 1024 --min-output 100 --max-output 1024}
     # Both engines hold their KV at once: fixed, equal pools (24k pages of 16 = 384k tokens; the workload needs 277k).
-    timeout 195 python3 -m kubesgl.cli up --model $M --device cuda --port 8000 --base-port 8100 \
-      --scheduler-args "--dummy-weight --page-size 16 --num-pages 24000" > "$OUT/serve_up.log" 2>&1 &
+    KV=${SERVE_KV:---page-size 16 --num-pages 24000}
+    [ -n "${SERVE_MODEL:-}" ] || python3 -c "from kubesgl.models.random_init import write_serving_config as w; w('Qwen3-0.6B', '$M')"
+    URLS=$(seq -s, -f "http://127.0.0.1:%.0f" $P $((P + G - 1)))
+    timeout 420 python3 -m kubesgl.cli up --model $M --device $DEV --port $P --base-port $((P + 100)) --gateways $G \
+      --detokenizers 2 --scheduler-args "--dummy-weight $KV" > "$OUT/serve_up.log" 2>&1 &
     UP=$!
-    timeout 185 bash -c "python3 benchmark/wait_models.py http://127.0.0.1:8000 120 && \
-      python3 -m kubesgl.cli bench serve --url http://127.0.0.1:8000 --num-seqs 256 --min-input 100 --max-input 1024 \
-        --min-output 100 --max-output 1024 --model $M --dummy-weight --device cuda --page-size 16 --num-pages 24000 \
-        --json $OUT/serve.jsonl" 2>&1 | grep -v Warn | tail -20 | tee "$OUT/serve.txt"
+    S="python3 -m kubesgl.cli bench serve $W --json $OUT/serve.jsonl"
+    C="python3 benchmark/service_cpu.py snapshot $UP"
+    timeout 400 bash -c "for u in ${URLS//,/ }; do python3 benchmark/wait_models.py \$u 150 || exit 1; done
+      $C g1 >> $OUT/serve_cpu.jsonl; $S --seed 1 --url http://127.0.0.1:$P; $C g1 >> $OUT/serve_cpu.jsonl
+      $C g$G >> $OUT/serve_cpu.jsonl; $S --seed 0 --url $URLS --model $M --dummy-weight --device $DEV $KV
+      $C g$G >> $OUT/serve_cpu.jsonl
+      $C g1-again >> $OUT/serve_cpu.jsonl; $S --seed 2 --url http://127.0.0.1:$P; $C g1-again >> $OUT/serve_cpu.jsonl" \
+      2>&1 | grep -v Warn | tail -60 | tee "$OUT/serve.txt"
+    python3 benchmark/service_cpu.py summary "$OUT/serve_cpu.jsonl" "$OUT/serve.jsonl" | tee "$OUT/serve_cpu.txt"
     kill -INT $UP; wait $UP
     grep -E "Traceback|Error" "$OUT/serve_up.log" | head -5
     ;;
@@ -108,6 +120,18 @@ case "$mode" in
       | tee "$OUT/gpu_tests_json.txt"
     timeout 90 $B --model Qwen3-0.6B | tail -1
     timeout 90 $B --model Qwen3-0.6B --json-fraction 0.1 | tail -1
+    ;;
+  knobs)  # what a decode step's small kernels cost (kernel boundary, projections cold/hot, cuBLAS vs cuBLASLt),
+          # then the offline benchmark: default, a 16k-token prefill chunk, cuBLASLt for every GEMM (same call)
+    timeout 150 python3 benchmark/kernel_bench.py --part latency --json "$OUT/kb_latency.jsonl" 2>&1 | grep -v Warn | tail -2
+    python3 benchmark/kernel_bench.py --summary "$OUT/kb_latency.jsonl" | tee "$OUT/kb_latency.txt"
+    timeout 80 $B --model Qwen3-0.6B | tail -1
+    timeout 80 $B --model Qwen3-0.6B --max-prefill-length 16384 | tail -1
+    timeout 80 env TORCH_BLAS_PREFER_CUBLASLT=1 $B --model Qwen3-0.6B | tail -1
+    ;;
+  jsontest)  # the structured-output GPU test alone (graph + overlap masking paths)
+    timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/unit/structured/test_structured_engine.py 2>&1 | tail -8 \
+      | tee "$OUT/gpu_tests_json.txt"
     ;;
   big)  # Qwen3-14B on the offline benchmark (random weights), bounded
     timeout 110 $B --model Qwen3-14B | tail -1

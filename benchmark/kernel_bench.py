@@ -14,6 +14,10 @@ gemv: for each projection (qkv 1024->4096, o 2048->1024, gate_up 1024->6144, dow
   per copy of the weight, enough copies to exceed 200 MB (the 50 MB L2 never holds them), median of replays;
   TB/s counts the weight and activation bytes. Every variant is checked against F.linear on random data
   (rel err < 1e-2). Then a whole decoder layer's four projections both ways, over 8 layers of weights.
+latency: what a decode step's small kernels cost beyond their bytes. A chain of 1,000 one-element kernels in a
+  graph (the per-kernel boundary: drain, launch, ramp); each projection at M 1-256 with its weight cold (rotating
+  copies > 200 MB) and hot (one weight, L2-resident), under cuBLAS and cuBLASLt
+  (torch.backends.cuda.preferred_blas_library); a decoder layer's projections over 8 layers under both.
 attn: decode attention at 16 q / 8 kv heads, head_dim 128, page 16, bf16 on bs 256 with workload-like ragged
   lengths (prompt 100-1024 + generated 0-1024, seeded), bs 256 x 850, bs 64 and 16 ragged; each backend
   through its CUDA-graph hooks (benchmark/attention_bw.py's harness, 10 layer calls per graph); planned
@@ -319,6 +323,60 @@ def layer_stacks(
     return unfused, fused
 
 
+# --- latency ------------------------------------------------------------------------------------------
+
+
+def part_latency(path: str | None) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(shape, generator=gen, device="cuda", dtype=torch.float32) * scale).to(BF16)
+
+    tiny = torch.zeros(1, device="cuda")
+    chain = 1000
+    sec = graph_seconds(lambda: [tiny.add_(1.0) for _ in range(chain)], chain)
+    emit({"part": "latency", "what": "kernel_boundary", "us": sec * 1e6}, path)
+    libraries = ("cublas", "cublaslt")
+    for name, (n, k) in SHAPES.items():
+        copies = max(1, math.ceil(200e6 / (n * k * 2)))
+        weights = [rand(n, k, scale=k**-0.5) for _ in range(copies)]
+        for m in ROWS:
+            x = rand(m, k)
+            ref = F.linear(x, weights[0])
+            for lib in libraries:
+                torch.backends.cuda.preferred_blas_library(lib)
+                err = rel_err(F.linear(x, weights[0]), ref)
+                cold = graph_seconds(lambda x=x, ws=weights: [F.linear(x, w) for w in ws], len(weights))
+                row = {"part": "latency", "what": "gemm", "shape": name, "m": m, "blas": lib, "cold_us": cold * 1e6,
+                       "cold_TBps": n * k * 2 / cold / 1e12, "rel_err": err, "ok": err < 1e-2}  # fmt: skip
+                if n * k * 2 < 20e6:  # fits the 50 MB L2 with room: the same weight, 16 calls
+                    hot = graph_seconds(lambda x=x, w=weights[0]: [F.linear(x, w) for _ in range(16)], 16)
+                    row |= {"hot_us": hot * 1e6, "hot_TBps": n * k * 2 / hot / 1e12}
+                emit(row, path)
+        weights.clear()
+        torch.cuda.empty_cache()
+    ws = [
+        {name: rand(*SHAPES[name], scale=SHAPES[name][1] ** -0.5) for name in ("qkv", "o", "gate_up", "down")}
+        for _ in range(8)
+    ]
+    nw = 1 + 0.1 * rand(1024)
+    for m in ROWS:
+        unfused, _ = layer_stacks(ws, nw, rand(m, 1024), rand(m, 1024), rand(m, 2048))
+        for lib in libraries:
+            torch.backends.cuda.preferred_blas_library(lib)
+            emit(
+                {
+                    "part": "latency",
+                    "what": "layer",
+                    "m": m,
+                    "blas": lib,
+                    "us": graph_seconds(unfused, 8) * 1e6,
+                },
+                path,
+            )
+    torch.backends.cuda.preferred_blas_library("cublas")
+
+
 # --- attention ----------------------------------------------------------------------------------------
 
 
@@ -405,6 +463,40 @@ def summary(path: str) -> None:
                 )
                 print(f"{name:8} {m:>4} {_cell(c)} {_cell(t)} {_ratio(c, t)} {_cell(cf)} {_cell(tf)} {_ratio(cf, tf)}  "
                       f"{(tf or t or {}).get('config', '')}")  # fmt: skip
+    lat = [r for r in rows if r["part"] == "latency"]
+    if lat:
+        for r in lat:
+            if r["what"] == "kernel_boundary":
+                print(f"Kernel boundary in a graph (1,000 one-element kernels): {r['us']:.2f} us per kernel")
+        print("Projection latency, us (TB/s): weight cold (HBM) and hot (L2), cuBLAS vs cuBLASLt")
+        print(
+            f"{'shape':8} {'M':>4} {'cuBLAS cold':>14} {'cuBLAS hot':>14} {'cuBLASLt cold':>14} {'cuBLASLt hot':>14}"
+        )
+        gemm = {(r["shape"], r["m"], r["blas"]): r for r in lat if r["what"] == "gemm"}
+
+        def lat_cell(r: dict | None, key: str) -> str:
+            return (
+                f"{r[key + '_us']:7.1f} ({r[key + '_TBps']:4.2f})" if r and key + "_us" in r else f"{'-':>14}"
+            )
+
+        for name in SHAPES:
+            for m in ROWS:
+                c, lt = gemm.get((name, m, "cublas")), gemm.get((name, m, "cublaslt"))
+                if c or lt:
+                    cells = (
+                        lat_cell(c, "cold"),
+                        lat_cell(c, "hot"),
+                        lat_cell(lt, "cold"),
+                        lat_cell(lt, "hot"),
+                    )
+                    print(f"{name:8} {m:>4} " + " ".join(cells))
+        layers = {(r["m"], r["blas"]): r["us"] for r in lat if r["what"] == "layer"}
+        for m in ROWS:
+            if (m, "cublas") in layers and (m, "cublaslt") in layers:
+                a, b = layers[(m, "cublas")], layers[(m, "cublaslt")]
+                print(
+                    f"  layer M {m:>3}: cuBLAS {a:6.1f} us  cuBLASLt {b:6.1f} us  => {(a - b) * 28 / 1e3:+.3f} ms per step"
+                )
     layer = {(r["m"], r["variant"]): r for r in rows if r["part"] == "layer"}
     if layer:
         print("Decoder layer's projections (qkv(norm) + o + gate_up(norm) + down(silu)), us per layer")
@@ -442,7 +534,7 @@ def _ratio(base: dict | None, new: dict | None) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--part", choices=["copy", "tune", "gemv", "attn"])
+    p.add_argument("--part", choices=["copy", "tune", "gemv", "latency", "attn"])
     p.add_argument("--json", default=None, help="append rows here")
     p.add_argument("--summary", default=None, help="print the summary table of these rows and exit")
     p.add_argument(
@@ -457,7 +549,7 @@ def main() -> int:
         return 2
     t0 = time.time()
     {"copy": lambda: part_copy(args.json), "tune": lambda: part_tune(args.workers),
-     "gemv": lambda: part_gemv(args.json, args.workers), "attn": lambda: part_attn(args.json)}[args.part]()  # fmt: skip
+     "gemv": lambda: part_gemv(args.json, args.workers), "latency": lambda: part_latency(args.json), "attn": lambda: part_attn(args.json)}[args.part]()  # fmt: skip
     print(f"{args.part} done in {time.time() - t0:.0f} s", flush=True)
     return 0
 

@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -160,6 +161,7 @@ class Result:
     client_ns: int
     first_s: float | None = None
     tokens: int = 0
+    chunks: int = 0  # SSE events with a choice (fewer than tokens where the gateway coalesced queued ones)
     trace_id: str | None = None
     error: str | None = None
 
@@ -170,6 +172,7 @@ async def drive(url: str, prompts: list[list[int]], outputs: list[int], trace_ev
         trace_id = secrets.token_hex(16)
         parent = f"00-{trace_id}-{secrets.token_hex(8)}-{'01' if traced else '00'}"
         body = {"model": "demo", "prompt": ids, "max_tokens": n, "ignore_eos": True, "stream": True}
+        body["stream_options"] = {"include_usage": True}  # a chunk may carry several tokens: count from usage
         res = Result(time.time_ns(), trace_id=trace_id if traced else None)
         start = time.perf_counter()
         try:
@@ -182,7 +185,9 @@ async def drive(url: str, prompts: list[list[int]], outputs: list[int], trace_ev
                     break
                 if res.first_s is None and any(c.get("text") for c in event["choices"]):
                     res.first_s = time.perf_counter() - start
-                res.tokens += 1
+                res.chunks += len(event["choices"])
+                if event.get("usage"):
+                    res.tokens = event["usage"]["completion_tokens"]
         except Exception as e:  # a benchmark counts failures, it does not stop at one
             res.error = f"{type(e).__name__}: {e}"
         return res
@@ -216,6 +221,18 @@ def stages(res: Result, spans: list[ReceivedSpan]) -> dict[str, float] | None:
     }
 
 
+def gateway_ttft(url: str) -> tuple[float, float]:
+    """(sum, count) of the gateway's TTFT histogram for the demo model."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    values = {"sum": 0.0, "count": 0.0}
+    for line in text.splitlines():
+        for key in values:
+            if line.startswith(f'kubesgl_gateway_time_to_first_token_seconds_{key}{{model="demo"}} '):
+                values[key] = float(line.rsplit(" ", 1)[1])
+    return values["sum"], values["count"]
+
+
 def cpu_seconds(procs: dict[str, psutil.Process]) -> dict[str, float]:
     out = {}
     for name, proc in procs.items():
@@ -234,11 +251,13 @@ async def run_once(
     url = stack.gateway_urls[0]
     await drive(url, prompts[:2], [4, 4], 10**9)  # warm-up
     receiver.snapshot()
+    ttft0 = gateway_ttft(url)
     cpu0 = cpu_seconds(procs)
     start = time.perf_counter()
     results = await drive(url, prompts, outputs, args.trace_every)
     wall = time.perf_counter() - start
     cpu = {k: v - cpu0[k] for k, v in cpu_seconds(procs).items()}
+    ttft1 = gateway_ttft(url)
     await asyncio.sleep(1.5)  # the services' span batches (OTEL_BSP_SCHEDULE_DELAY) arrive
     spans = receiver.snapshot()
     ok = [r for r in results if r.error is None]
@@ -251,10 +270,15 @@ async def run_once(
         "failed": len(results) - len(ok),
         "errors": sorted({r.error for r in results if r.error})[:3],
         "output_tokens": tokens,
+        "tokens_per_chunk": round(tokens / max(sum(r.chunks for r in ok), 1), 3),
         "seconds": round(wall, 3),
         "path_tok_s": round(tokens / wall),
         "engine_tok_s": round(fake_engine_rate(args, lens, outputs)),
         "client_ttft_mean_ms": round(1000 * statistics.mean(firsts), 1) if firsts else None,
+        # The gateway's own TTFT histogram over the burst (/metrics before and after).
+        "gateway_ttft_mean_ms": round(1000 * (ttft1[0] - ttft0[0]) / (ttft1[1] - ttft0[1]), 1)
+        if ttft1[1] > ttft0[1]
+        else None,
         "traced": len(traced),
         "stage_ms_mean": {
             name: round(statistics.mean((s[b] - s[a]) / 1e6 for s in traced), 2) for name, a, b in STAGES
@@ -271,7 +295,8 @@ def print_row(row: dict[str, Any]) -> None:
     print(
         f"\n{row['streams']} streams: {row['path_tok_s']} tok/s through the path, fake engine alone "
         f"{row['engine_tok_s']} ({row['path_over_engine']}); failed {row['failed']}; "
-        f"client TTFT mean {row['client_ttft_mean_ms']} ms"
+        f"client / gateway TTFT mean {row['client_ttft_mean_ms']} / {row['gateway_ttft_mean_ms']} ms; "
+        f"{row['tokens_per_chunk']} tokens per SSE chunk"
     )
     for error in row["errors"]:
         print(f"  error: {error}")

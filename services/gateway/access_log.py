@@ -4,8 +4,10 @@ requests the request id, prompt / completion tokens, time to first token and dur
 output or the query string (tests/e2e/test_log_privacy.py). Probes and scrapes log at DEBUG only, so a kubelet
 polling /ready does not drown the log. uvicorn's own access log stays off (app.py).
 
-AccessLog is the outermost middleware, so it also stamps every request's `Arrival` (ASGI entry, before the
-body is read or parsed): the gateway's TTFT and duration are timed from it, as a client times them."""
+AccessLog is the outermost middleware, so it also stamps every request's `Arrival`: the gateway's TTFT and
+duration are timed from it, as a client times them. For a connection's first request that is when its bytes
+reached this host (http_protocol.py: the wait for a busy event loop to accept and read it counts); otherwise,
+and for keep-alive follow-ups, ASGI entry (before the body is read or parsed)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 log = logging.getLogger("kubesgl.gateway.access")
 
 _QUIET_PATHS = frozenset({"/health", "/ready", "/metrics"})
+# Where http_protocol.TimedHttpProtocol leaves the connection's FirstRequestArrival in every request's state.
+FIRST_REQUEST_ARRIVAL = "first_request_arrival"
 
 
 @dataclass(frozen=True)
@@ -66,8 +70,10 @@ class AccessLog:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        arrival = Arrival.now()
-        scope.setdefault("state", {})["arrival"] = arrival
+        state = scope.setdefault("state", {})
+        first = state.get(FIRST_REQUEST_ARRIVAL)
+        arrival = (first.take() if first is not None else None) or Arrival.now()
+        state["arrival"] = arrival
         sent: list[int] = []
 
         async def recording_send(message: Message) -> None:

@@ -29,6 +29,7 @@ from kubesgl.services.gateway.config import GatewayConfig, config_from_args
 from kubesgl.services.gateway.config import add_arguments as add_config_arguments
 from kubesgl.services.gateway.gateway import Gateway
 from kubesgl.services.gateway.guards import ApiKeyCheck, BodySizeLimit
+from kubesgl.services.gateway.http_protocol import TimedHttpProtocol
 from starlette.exceptions import HTTPException
 
 log = logging.getLogger("kubesgl.gateway")
@@ -49,6 +50,7 @@ def main(args: argparse.Namespace) -> int:
     server = _Server(
         uvicorn.Config(
             app,
+            http=TimedHttpProtocol,  # a connection's first request is timed from its bytes' arrival
             host=config.host,
             port=config.port,
             log_level=config.log_level,

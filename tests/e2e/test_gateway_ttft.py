@@ -1,10 +1,12 @@
 """The gateway's TTFT histogram times what its clients see: from the request's arrival (before its body is read
 and parsed) to the first chunk with text, not from the route's start. Driven over a real stack (nats-server +
 every service its own process, the demo model) with a burst of concurrent streams, whose parse, tokenize and
-admission queues are what a route-started clock would miss."""
+admission queues are what a route-started clock would miss. Two gateways, so `kubesgl bench serve` over both
+is checked too (its streams spread round-robin, its gateway TTFT summed over both /metrics)."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import random
@@ -16,6 +18,7 @@ from typing import Any
 import httpx
 import pytest
 from conftest import TEST_SCHEDULER_ARGS
+from kubesgl.bench import serve as bench_serve
 from kubesgl.bench.sse_client import post_events
 from kubesgl.launcher import Stack
 
@@ -33,6 +36,7 @@ _TTFT = "kubesgl_gateway_time_to_first_token_seconds"
 def served(stack_factory: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     stack = stack_factory(
         tmp_path_factory.mktemp("ttft"),
+        gateways=2,
         scheduler_args=(*TEST_SCHEDULER_ARGS, "--max-running-requests", str(RUNNING)),
         env={"OMP_NUM_THREADS": "1"},  # a core left for the client, gateway and NATS on a 2-core runner
     )
@@ -119,3 +123,31 @@ def test_gateway_ttft_counts_the_time_its_body_takes_to_arrive(served: Stack) ->
         sum1, count1 = gateway_ttft(http)
     assert count1 - count0 == 1
     assert SLOW_BODY_S <= sum1 - sum0 <= whole
+
+
+def test_bench_serve_spreads_its_streams_over_every_gateway_and_sums_their_ttft(
+    served: Stack, capsys
+) -> None:
+    urls = served.gateway_urls
+    assert len(urls) == 2
+
+    def per_gateway() -> list[tuple[float, float]]:
+        out = []
+        for u in urls:
+            with httpx.Client(base_url=u, timeout=30) as http:
+                out.append(gateway_ttft(http))
+        return out
+
+    before = per_gateway()
+    parser = argparse.ArgumentParser()
+    bench_serve.add_arguments(parser)
+    flags = ["--url", ",".join(urls), "--num-seqs", "6", "--max-input", "32", "--min-output", "2"]
+    assert bench_serve.main(parser.parse_args([*flags, "--max-output", "4"])) == 0
+    after = per_gateway()
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert res["gateways"] == 2 and res["failed"] == 0
+    # Each gateway: one warm-up and its half of the burst; the single-request runs go to the first.
+    served_by = [a[1] - b[1] for a, b in zip(after, before, strict=True)]
+    assert served_by == [1 + 3 + bench_serve.SINGLE_TTFT_RUNS, 1 + 3], served_by
+    # The burst's TTFT is summed over both gateways' histograms (one gateway's would count 3).
+    assert res["gateway_ttft_count"] == 6 and res["gateway_over_client_ttft"] is not None

@@ -72,8 +72,8 @@ BENCH_SCHEMA = {
 }
 
 
-def make_workload(args: argparse.Namespace) -> tuple[list[list[int]], list[int]]:
-    rng = random.Random(0)
+def make_workload(args: argparse.Namespace, seed: int = 0) -> tuple[list[list[int]], list[int]]:
+    rng = random.Random(seed)
     prompts = [
         [rng.randint(0, 10000) for _ in range(rng.randint(args.min_input, args.max_input))]
         for _ in range(args.num_seqs)
@@ -267,6 +267,8 @@ def main(args: argparse.Namespace) -> int:
         "linear_backend": args.linear_backend,
         "overlap": llm.engine.overlap,
         "mixed_chunk": args.enable_mixed_chunk,
+        "max_prefill_length": args.max_prefill_length,
+        "blas": torch.backends.cuda.preferred_blas_library().name if args.device == "cuda" else None,
         "cuda_graph_max_bs": graphs.max_bs if graphs else 0,
         "graph_capture_s": round(graphs.capture_seconds, 2) if graphs else 0.0,
         "requests": len(prompts),

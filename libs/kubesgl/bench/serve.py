@@ -1,14 +1,18 @@
 """`kubesgl bench serve`: drives a running gateway with the seed workload shape and compares it with the
 offline LLM on the same requests.
 
-Workload: kubesgl.bench.offline's (python `random` seeded 0; prompts of randint(min_in, max_in) token ids
-from randint(0, 10000), then max_tokens randint(min_out, max_out) each; temperature 0.6; EOS ignored), with
-defaults scaled down for a CPU. Every request is a streamed /v1/completions call with token-id prompts,
-sent at once (or `--max-concurrency` at a time). Reported: output tok/s over the wall time, TTFT p50/p99,
+Workload: kubesgl.bench.offline's (python `random` seeded 0, or `--seed`; prompts of randint(min_in, max_in)
+token ids from randint(0, 10000), then max_tokens randint(min_out, max_out) each; temperature 0.6; EOS
+ignored), with defaults scaled down for a CPU. Every request is a streamed /v1/completions call with token-id
+prompts, sent at once (or `--max-concurrency` at a time). Reported: output tok/s over the wall time, TTFT p50/p99,
 ITL p50/p99 (gaps between streamed chunks, as a client sees them) and TPOT (per request, (last - first
 chunk) / (tokens - 1)), beside the gateway's own TTFT mean over the same burst (its /metrics), which should
-agree with the client's. Requests go out through sse_client, not httpx, whose pool would queue them. With `--model`, the offline LLM then runs the same requests: the ratio
-serving/offline, and the TTFT the bus adds (one request alone, through the gateway vs. offline prefill).
+agree with the client's. Requests go out through sse_client, not httpx, whose pool would queue them.
+
+Several gateways (`--url` repeated or comma-separated, e.g. `kubesgl up --gateways 4`'s ports): the streams go
+round-robin over them, as a Service spreads connections over gateway pods, and the gateway TTFT sums every
+gateway's histogram. With `--model`, the offline LLM then runs the same requests: the ratio serving/offline,
+and the TTFT the bus adds (one request alone, through the first gateway vs. offline prefill).
 `--workload shared-prefix` runs multi-turn conversations over shared prefixes instead (shared_prefix.py) and
 adds the cache hit rate, to compare routing policies.
 """
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import statistics
@@ -31,10 +36,26 @@ from kubesgl.bench.sse_client import HttpStatusError, post_events
 from kubesgl.bench.timing import RequestTiming, percentile
 
 SINGLE_TTFT_RUNS = 5
+WARM_UP_TIMEOUT_S = 60.0
+DEFAULT_URL = "http://127.0.0.1:8000"
+
+
+def gateway_urls(args: argparse.Namespace) -> list[str]:
+    """Every `--url`, commas split, in order (the default gateway when none is given)."""
+    urls = [u.strip().rstrip("/") for arg in args.url or [DEFAULT_URL] for u in arg.split(",") if u.strip()]
+    if not urls:
+        raise SystemExit("kubesgl bench serve: --url names no gateway")
+    return urls
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", default="http://127.0.0.1:8000", help="gateway base URL")
+    p.add_argument(
+        "--url",
+        action="append",
+        default=None,
+        help="gateway base URL; repeat it or separate URLs with commas to spread the streams round-robin "
+        f"over several gateways (default {DEFAULT_URL})",
+    )
     p.add_argument("--api-key", default=os.environ.get("KUBESGL_API_KEY"), help="env KUBESGL_API_KEY")
     p.add_argument("--served-model", default=None, help="model id to request (default: the first served)")
     p.add_argument("--num-seqs", type=int, default=32)
@@ -43,6 +64,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-output", type=int, default=16)
     p.add_argument("--max-output", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.6)
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="workload seed (0: the seed workload); a second run on the same stack needs another, or its "
+        "prompts hit the prefix cache the first run filled",
+    )
     p.add_argument("--max-concurrency", type=int, default=0, help="requests in flight at once (0 = all)")
     p.add_argument("--model", default=None, help="model dir: also run the offline LLM on the same requests")
     p.add_argument("--device", default="cpu", help="offline LLM device (match the scheduler's)")
@@ -65,8 +93,9 @@ def main(args: argparse.Namespace) -> int:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     if args.workload == "shared-prefix":
         return _report(asyncio.run(_serve_shared_prefix(args, headers)), args)
-    prompts, max_tokens = make_workload(args)
+    prompts, max_tokens = make_workload(args, args.seed)
     res: dict[str, Any] = {
+        "seed": args.seed,
         "requests": len(prompts),
         "prompt_tokens": sum(map(len, prompts)),
         "requested_output_tokens": sum(max_tokens),
@@ -87,42 +116,55 @@ def _report(res: dict[str, Any], args: argparse.Namespace) -> int:
     return 0 if res["failed"] == 0 else 1
 
 
-def _client(args: argparse.Namespace, headers: dict[str, str]) -> httpx.AsyncClient:
+def _client(headers: dict[str, str]) -> httpx.AsyncClient:
+    """For the gateways' /v1/models and /metrics (the streams go through sse_client)."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     timeout = httpx.Timeout(30.0, read=None)
-    return httpx.AsyncClient(base_url=args.url, headers=headers, limits=limits, timeout=timeout)
+    return httpx.AsyncClient(headers=headers, limits=limits, timeout=timeout)
 
 
 async def _serve_shared_prefix(args: argparse.Namespace, headers: dict[str, str]) -> dict[str, Any]:
-    async with _client(args, headers) as http:
-        model = args.served_model or await _first_model(http)
-        await _stream(http, model, [1, 2, 3, 4, 5, 6, 7, 8], 2, args.temperature)  # warm-up
+    urls = gateway_urls(args)
+    async with _client(headers) as http:
+        model = args.served_model or await _first_model(http, urls[0])
+        for url in urls:
+            await _warm_up(url, headers, model, [1, 2, 3, 4, 5, 6, 7, 8], args.temperature)
+        sent = itertools.count()
 
         async def send(ids: list[int], n: int) -> RequestTiming:
-            return await _stream(http, model, ids, n, args.temperature)
+            url = urls[next(sent) % len(urls)]
+            return await _stream(url, headers, model, ids, n, args.temperature)
 
-        return {"served_model": model, **await shared_prefix.run(send, args)}
+        return {"served_model": model, "gateways": len(urls), **await shared_prefix.run(send, args)}
 
 
 async def _serve(
     args: argparse.Namespace, prompts: list[list[int]], max_tokens: list[int], headers: dict[str, str]
 ) -> dict[str, Any]:
-    async with _client(args, headers) as http:
-        model = args.served_model or await _first_model(http)
-        await _stream(http, model, prompts[0][:8], 2, args.temperature)  # warm-up
+    urls = gateway_urls(args)
+    async with _client(headers) as http:
+        model = args.served_model or await _first_model(http, urls[0])
+        for url in urls:
+            await _warm_up(url, headers, model, prompts[0][:8], args.temperature)
         gate = asyncio.Semaphore(args.max_concurrency or len(prompts))
 
-        async def one(ids: list[int], n: int) -> RequestTiming:
+        async def one(url: str, ids: list[int], n: int) -> RequestTiming:
             async with gate:
-                return await _stream(http, model, ids, n, args.temperature)
+                return await _stream(url, headers, model, ids, n, args.temperature)
 
-        before = await _gateway_ttft(http, model)
+        before = await _gateway_ttft(http, urls, model)
         start = time.perf_counter()
-        timings = await asyncio.gather(*(one(p, n) for p, n in zip(prompts, max_tokens, strict=True)))
+        timings = await asyncio.gather(
+            *(
+                one(urls[i % len(urls)], p, n)  # round-robin, as a Service spreads connections over pods
+                for i, (p, n) in enumerate(zip(prompts, max_tokens, strict=True))
+            )
+        )
         wall = time.perf_counter() - start
-        after = await _gateway_ttft(http, model)
+        after = await _gateway_ttft(http, urls, model)
         singles = [
-            await _stream(http, model, prompts[0], 1, args.temperature) for _ in range(SINGLE_TTFT_RUNS)
+            await _stream(urls[0], headers, model, prompts[0], 1, args.temperature)
+            for _ in range(SINGLE_TTFT_RUNS)
         ]
     ok = [t for t in timings if t.error is None]
     out_tokens = sum(t.completion_tokens for t in ok)
@@ -139,6 +181,7 @@ async def _serve(
     client_mean = round(statistics.mean(ttfts), 4) if ttfts else None
     return {
         "served_model": model,
+        "gateways": len(urls),
         "failed": len(timings) - len(ok),
         "errors": errors[:5],
         "output_tokens": out_tokens,
@@ -147,8 +190,9 @@ async def _serve(
         "ttft_p50_s": percentile([t.ttft for t in ok if t.ttft is not None], 50),
         "ttft_p99_s": percentile([t.ttft for t in ok if t.ttft is not None], 99),
         "ttft_mean_s": client_mean,
-        # The gateway's own TTFT histogram over the same burst (its /metrics, before and after).
+        # The gateways' own TTFT histograms over the same burst (every gateway's /metrics, before and after).
         "gateway_ttft_mean_s": gateway_mean,
+        "gateway_ttft_count": int(counted),
         "gateway_over_client_ttft": round(gateway_mean / client_mean, 3)
         if gateway_mean and client_mean
         else None,
@@ -160,8 +204,19 @@ async def _serve(
     }
 
 
+async def _warm_up(url: str, headers: dict[str, str], model: str, ids: list[int], temperature: float) -> None:
+    """One short request through `url`, retried while the stack answers 503: a gateway may list the model
+    (it heard the scheduler's heartbeat) a moment before the tokenizer has, and a burst sent then fails."""
+    deadline = time.monotonic() + WARM_UP_TIMEOUT_S
+    while True:
+        error = (await _stream(url, headers, model, ids, 2, temperature)).error
+        if error is None or not error.startswith("HTTP 503") or time.monotonic() > deadline:
+            return
+        await asyncio.sleep(0.5)
+
+
 async def _stream(
-    http: httpx.AsyncClient, model: str, ids: list[int], n: int, temperature: float
+    url: str, headers: dict[str, str], model: str, ids: list[int], n: int, temperature: float
 ) -> RequestTiming:
     """One streamed completion through sse_client (httpx's pool would add its own queue to the TTFT)."""
     body = {
@@ -179,9 +234,8 @@ async def _stream(
     def on_sent() -> None:
         timing.sent = time.perf_counter() - start
 
-    headers = {k: v for k, v in http.headers.items() if k.lower() == "authorization"}
     try:
-        async for data in post_events(str(http.base_url), "/v1/completions", body, headers, on_sent):
+        async for data in post_events(url, "/v1/completions", body, headers, on_sent):
             if data != "[DONE]":
                 timing.on_event(json.loads(data), time.perf_counter() - start)
     except HttpStatusError as e:
@@ -224,24 +278,26 @@ def _offline(args: argparse.Namespace, prompts: list[list[int]], max_tokens: lis
     }
 
 
-async def _gateway_ttft(http: httpx.AsyncClient, model: str) -> tuple[float, float]:
-    """(sum, count) of the gateway's TTFT histogram for `model`; zeros when its /metrics is unreachable."""
-    try:
-        r = await http.get("/metrics")
-        r.raise_for_status()
-    except httpx.HTTPError:
-        return 0.0, 0.0
+async def _gateway_ttft(http: httpx.AsyncClient, urls: list[str], model: str) -> tuple[float, float]:
+    """(sum, count) of the gateways' TTFT histograms for `model`, summed over every gateway; a gateway whose
+    /metrics is unreachable adds nothing."""
     values = {"sum": 0.0, "count": 0.0}
     prefix = "kubesgl_gateway_time_to_first_token_seconds_"
-    for line in r.text.splitlines():
-        for key in values:
-            if line.startswith(f'{prefix}{key}{{model="{model}"}} '):
-                values[key] = float(line.rsplit(" ", 1)[1])
+    for url in urls:
+        try:
+            r = await http.get(f"{url}/metrics")
+            r.raise_for_status()
+        except httpx.HTTPError:
+            continue
+        for line in r.text.splitlines():
+            for key in values:
+                if line.startswith(f'{prefix}{key}{{model="{model}"}} '):
+                    values[key] += float(line.rsplit(" ", 1)[1])
     return values["sum"], values["count"]
 
 
-async def _first_model(http: httpx.AsyncClient) -> str:
-    r = await http.get("/v1/models")
+async def _first_model(http: httpx.AsyncClient, url: str) -> str:
+    r = await http.get(f"{url}/v1/models")
     r.raise_for_status()
     data = r.json()["data"]
     if not data:
@@ -252,6 +308,7 @@ async def _first_model(http: httpx.AsyncClient) -> str:
 def _print(res: dict[str, Any]) -> None:
     rows = [
         ("requests (failed)", f"{res['requests']} ({res['failed']})"),
+        ("gateways", res.get("gateways", 1)),
         ("prompt / output tokens", f"{res['prompt_tokens']} / {res['output_tokens']}"),
         ("output tok/s (serving)", res["output_tok_s"]),
         ("TTFT p50 / p99 (s)", f"{res['ttft_p50_s']} / {res['ttft_p99_s']}"),
