@@ -32,9 +32,9 @@ up: $(STAMP)
 test: $(STAMP)
 	bash tests/run.sh $(PYTEST_ARGS)
 
-# The unit groups only (tests/layout.toml's unit/*, less `slow`): 669 passed + 81 GPU-only skipped in 111 s (pytest's
-# figure; 116 s for the command) on the shared 2-core box with little else running (load average ~1), 170 s of CPU
-# (2026-12-03; was 142 s idle, 285 s of CPU); 148 s with another helper's tests alongside.
+# The unit groups only (tests/layout.toml's unit/*, less `slow`): 672 passed + 81 GPU-only skipped in 110 s (pytest's
+# figure; 115 s for the command) on the shared 2-core box with little else running (load average ~1), 167 s of CPU
+# (2026-12-03); 148 s with another helper's tests alongside. Before: 142 s idle, 293 s (285 s of CPU) under load ~5.
 test-fast: $(STAMP)
 	bash tests/run.sh --fast $(PYTEST_ARGS)
 
