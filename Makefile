@@ -32,8 +32,10 @@ up: $(STAMP)
 test: $(STAMP)
 	bash tests/run.sh $(PYTEST_ARGS)
 
-# The unit groups only (tests/layout.toml's unit/*, less `slow`): 670 passed + 81 GPU-only skipped in 142 s on an
-# idle 2-core box (2026-12-03; 283 s with other test runs alongside): over the < 2 min target by ~20 s.
+# The unit groups only (tests/layout.toml's unit/*, less `slow`): 672 passed + 81 GPU-only skipped in 110-115 s
+# (pytest's figure, two runs; 115-120 s for the command) on the shared 2-core box with little else running (load
+# average ~1), 167-176 s of CPU (2026-12-03); 148 s with another helper's tests alongside. Before: 142 s idle,
+# 293 s (285 s of CPU) under load ~5.
 test-fast: $(STAMP)
 	bash tests/run.sh --fast $(PYTEST_ARGS)
 

@@ -19,6 +19,14 @@ from regroup import load_layout
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under xdist (tests/run.sh: two workers, one per core) each worker's torch takes one intra-op thread: with
+# torch's default (a thread per core) two workers ran four spinning threads on two cores, and the small ops
+# these tests run went several times slower (the engine parity setup: 63 s in a two-worker run on the shared
+# box, 2 s with one thread each).
+# This process only: the services and TP ranks a test starts keep torch's default.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 
 def _derandomize_hypothesis() -> None:
     """Makes every derandomized Hypothesis test draw the same examples whatever ran before it in the process.

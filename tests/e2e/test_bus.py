@@ -174,6 +174,7 @@ async def test_repeated_admission_is_idempotent(client: BusClient, mesh: Stack) 
 async def test_an_abort_that_overtakes_its_admission_wins(client: BusClient) -> None:
     await client.nc.publish(p.ABORT, p.Abort(rid="aborted-early").to_bytes())
     await client.nc.flush()
+    # Scenario timing: the abort is let ahead of the admission (a scheduler shows no sign of an early abort).
     await asyncio.sleep(0.2)
     reply = await client.submit(prompt=PROMPTS[0], params=GREEDY, rid="aborted-early")
     assert isinstance(reply, p.ErrorReply) and reply.error.status == 400
@@ -203,7 +204,7 @@ async def test_abort_frees_pages(client: BusClient, mesh: Stack) -> None:
     assert (stats.running, stats.queued, stats.active_rids) == (0, 0, [])
     assert stats.available_pages == baseline.available_pages
     n = len(stream.deltas)
-    await asyncio.sleep(0.5)
+    await asyncio.sleep(0.5)  # quiet window: a delta sent after the abort would arrive within it
     assert len(stream.deltas) == n and not stream.done.is_set()  # nothing more goes to the gateway
 
 
@@ -225,15 +226,13 @@ async def test_killing_a_detokenizer_mid_stream_breaks_no_stream(
         *(client.submit(prompt=pr, params=params, deadline_s=300) for pr in PROMPTS)
     )
     streams = [client.streams[r.rid] for r in replies]
-    while not all(s.deltas for s in streams):
-        await asyncio.sleep(0.01)
+    await wait_until_async(lambda: all(s.deltas for s in streams), "every stream has its first delta", 60)
     victim = next(s for s in mesh.services.values() if s.kind == "detokenizer" and s.proc.poll() is None)
     # Stopped first: once a delivery to it times out, it surely holds a delta it will never ack.
     victim.proc.send_signal(signal.SIGSTOP)
-    end = time.monotonic() + 30
-    while detok_timeouts() == before:
-        assert time.monotonic() < end, "no delta reached the stopped replica"
-        await asyncio.sleep(0.05)
+    await wait_until_async(
+        lambda: detok_timeouts() != before, "a delta reached the stopped replica", 30, interval_s=0.05
+    )
     assert not all(s.done.is_set() for s in streams), "the kill must land mid-stream"
     victim.proc.kill()
     victim.proc.wait()
@@ -256,7 +255,7 @@ async def test_killing_a_tokenizer_loses_no_request(
     victim.proc.send_signal(signal.SIGSTOP)  # requests queue up in its socket, then die with it
 
     async def kill_soon() -> None:
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(0.5)  # scenario timing: requests queue up at the stopped replica meanwhile
         victim.proc.kill()
 
     killer = asyncio.create_task(kill_soon())
@@ -281,22 +280,26 @@ async def test_services_survive_a_nats_restart(client: BusClient, mesh: Stack) -
 
     before = reconnects()
     mesh.nats.restart()
-    end = time.monotonic() + 30
-    while True:
+
+    async def admitted() -> p.Admitted | None:
         try:
             reply = await client.submit(prompt=PROMPTS[0], params=GREEDY, attempt_timeout_s=1.0, attempts=1)
-            if isinstance(reply, p.Admitted):
-                break
         except TimeoutError:
-            pass
-        assert time.monotonic() < end, "no admission within 30 s of the NATS restart"
-        await asyncio.sleep(0.2)
+            return None
+        return reply if isinstance(reply, p.Admitted) else None
+
+    reply = await wait_until_async(
+        admitted, "a request is admitted after the NATS restart", 30, interval_s=0.2
+    )
     stream = await client.result(reply.rid)
     assert len(stream.token_ids) == GREEDY.max_tokens
-    end = time.monotonic() + 10  # replicas that served nothing may still be in their reconnect backoff
-    while not all((after := reconnects())[name] > before[name] for name in live):
-        assert time.monotonic() < end, (before, after)
-        await asyncio.sleep(0.2)
+    # Replicas that served nothing may still be in their reconnect backoff.
+    await wait_until_async(
+        lambda: all(reconnects()[name] > before[name] for name in live),
+        f"every replica counts its reconnect (before: {before})",
+        10,
+        interval_s=0.2,
+    )
 
 
 async def test_sigterm_drains_a_tp2_scheduler_while_another_serves(
@@ -326,10 +329,13 @@ async def test_sigterm_drains_a_tp2_scheduler_while_another_serves(
     assert isinstance(short, p.Admitted) and isinstance(endless, p.Admitted)
     full = await generate_on(draining.instance_id, "drain-full", GREEDY)  # before "short" can finish
     assert isinstance(full, p.ErrorReply) and full.error.status == 503 and "is full" in full.error.message
-    while not client.streams["drain-endless"].deltas:
-        await asyncio.sleep(0.01)
+    await wait_until_async(lambda: client.streams["drain-endless"].deltas, "the endless request streams", 60)
     draining.proc.send_signal(signal.SIGTERM)
-    await asyncio.sleep(0.3)
+
+    async def drains() -> bool:
+        return (await client.scheduler_stats(draining.instance_id)).draining
+
+    await wait_until_async(drains, "the scheduler drains on SIGTERM", 10, interval_s=0.05)
     refused = await generate_on(draining.instance_id, "drain-late", GREEDY)
     assert isinstance(refused, p.ErrorReply) and (refused.error.status, refused.error.message) == (
         503,

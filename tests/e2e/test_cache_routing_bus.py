@@ -74,8 +74,11 @@ def _tokenizer(stack: Stack, policy: str, synced_with: int) -> ServiceProcess:
     """A tokenizer with `policy`, ready and (cache-aware) holding a snapshot of `synced_with` instances."""
     svc = stack.spawn("tokenizer", ("--routing-policy", policy))
     stack.wait_ready(120, [svc.name])
-    time.sleep(1.5 * p.HEARTBEAT_INTERVAL_S)  # ready once it heard one scheduler; let it hear them all
-    if policy == "cache-aware":
+    # Ready once it heard one scheduler. Cache-aware: the snapshot of each instance it heard is the event to
+    # wait for; round-robin shows no sign of which schedulers it heard, so it gets a heartbeat and a half.
+    if policy != "cache-aware":
+        time.sleep(1.5 * p.HEARTBEAT_INTERVAL_S)
+    else:
         wait_until(
             what=f"{svc.name} snapshots {synced_with} instances",
             timeout_s=20.0,

@@ -89,7 +89,7 @@ async def _under_load(mesh: Stack, expected: dict[str, str], fault: Fault) -> tu
         await load.wait_completed(WARM_COMPLETIONS, 90)
         struck = time.monotonic()
         info = await fault(mesh)
-        await asyncio.sleep(AFTER_FAULT_S)
+        await asyncio.sleep(AFTER_FAULT_S)  # scenario timing: the load stays on this long after the fault
     return load, struck, info
 
 

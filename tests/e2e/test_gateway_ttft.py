@@ -110,7 +110,7 @@ def test_gateway_ttft_counts_the_time_its_body_takes_to_arrive(served: Stack) ->
         head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
         writer.write(f"{head}Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode())
         await writer.drain()
-        await asyncio.sleep(SLOW_BODY_S)
+        await asyncio.sleep(SLOW_BODY_S)  # scenario timing: the slow body under test
         writer.write(body)
         response = await reader.read()  # Connection: close: the whole stream, until the server closes
         writer.close()

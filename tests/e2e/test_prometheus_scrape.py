@@ -34,7 +34,7 @@ def scraped(
             with BackgroundLoad(
                 stack.gateway_urls[0], model_name(stack), users=3, max_tokens=MAX_TOKENS
             ) as load:
-                time.sleep(LOAD_S)
+                time.sleep(LOAD_S)  # scenario timing: the load runs this long under 1 s scrapes
                 prometheus.wait_for(
                     "max_over_time(sglang:num_running_reqs[1m]) >= 1", lambda r: len(r) > 0, timeout_s=60
                 )

@@ -91,7 +91,7 @@ class SteadyLoad:
                 kind, status, detail = "hung", None, f"no end within {self.request_timeout_s} s"
             self.outcomes.append(Outcome(kind, started, time.monotonic(), status, detail))
             if kind != "completed":
-                await asyncio.sleep(_BACKOFF_S)
+                await asyncio.sleep(_BACKOFF_S)  # scenario timing: a client's backoff after a failure
 
     async def _one(self, prompt: str) -> tuple[str, int | None, str]:
         body = {"model": self.model, "prompt": prompt, "max_tokens": self.max_tokens, "temperature": 0}

@@ -5,7 +5,6 @@ requests and gateways, redelivered batches, and bad entries."""
 
 from __future__ import annotations
 
-import asyncio
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -23,6 +22,7 @@ from kubesgl.text.tokenizer import ModelTokenizer
 from kubesgl.values.outputs import RequestOutput
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from support.waiting import wait_until_async
 
 TEXTS = [
     "Hello, world! Tokenizers merge antidisestablishmentarianism into pieces.",
@@ -140,11 +140,11 @@ class Bus:
 
     async def wait_for(self, n: int) -> None:
         """Until `n` TextDeltas arrived in all (they travel on other connections than the ack)."""
-        for _ in range(500):
-            if sum(len(v) for v in self.received.values()) >= n:
-                return
-            await asyncio.sleep(0.01)
-        raise AssertionError(f"{n} TextDeltas expected, {self.received}")
+        await wait_until_async(
+            lambda: sum(len(v) for v in self.received.values()) >= n,
+            f"{n} TextDeltas arrived",
+            timeout_s=5.0,
+        )
 
 
 @pytest.fixture

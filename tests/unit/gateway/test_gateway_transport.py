@@ -85,6 +85,7 @@ class FakeMeshForGatewayTest:
         self.requests: list[TokenizeRequest] = []
         self.aborts: list[Abort] = []
         self.active: set[str] = set()  # rids the fake scheduler reports as running
+        self.stats_answered = 0  # SchedulerStats replies sent (the gateway's post-reconnect audit asks)
         self.heartbeating = True
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -106,7 +107,7 @@ class FakeMeshForGatewayTest:
                     self.instance, MODEL, self.context_len, 1, 100, 0, 0, 100, 100, 8, False, time.time()
                 )
                 await self.nc.publish(HEARTBEAT, hb.to_bytes())
-            await asyncio.sleep(0.3)
+            await asyncio.sleep(0.3)  # scenario timing: the fake scheduler's heartbeat period
 
     async def _on_tokenize(self, msg: Msg) -> None:
         req = TokenizeRequest.from_bytes(msg.data)
@@ -124,11 +125,12 @@ class FakeMeshForGatewayTest:
     async def _play(self, req: TokenizeRequest) -> None:
         for delta in self.plan(req):
             await self.nc.publish(gateway_subject(req.gateway_id), delta.to_bytes())
-            await asyncio.sleep(0.01)
+            await asyncio.sleep(0.01)  # scenario timing: deltas arrive spaced, as a decode loop sends them
 
     async def _on_stats(self, msg: Msg) -> None:
         stats = SchedulerStats(self.instance, len(self.active), 0, 100, 100, 100, 0, sorted(self.active))
         await msg.respond(stats.to_bytes())
+        self.stats_answered += 1
 
     async def _on_abort(self, msg: Msg) -> None:
         self.aborts.append(Abort.from_bytes(msg.data))
@@ -218,6 +220,8 @@ async def test_deltas_from_a_second_instance_are_dropped_and_that_instance_abort
             gateway_subject(req.gateway_id), _delta(req.rid, "sched-z", 0, "WRONG").to_bytes()
         )
         await mesh.nc.flush()
+        # Scenario timing: the gateway gives no sign of a delta for a rid not yet admitted, so the Admitted is
+        # held back a while for the foreign delta to land first (were it late, the test would still pass).
         await asyncio.sleep(0.2)
 
     mesh.before_reply = foreign_first
@@ -443,9 +447,15 @@ async def test_a_request_still_running_survives_a_nats_restart(gateway, nats_srv
             async for line in lines:
                 if "before" in line:
                     break
+            asked = mesh.stats_answered
             nats_srv.restart()
             rid = mesh.requests[-1].rid
-            await asyncio.sleep(5)  # past the gateway's post-reconnect audit, which must keep this request
+            await wait_until_async(
+                lambda: mesh.stats_answered > asked, "the gateway audits its requests after the reconnect", 30
+            )
+            # Quiet window: a request the audit judged lost would be failed after the gateway's 1 s grace
+            # (_AUDIT_GRACE_S); the final delta comes only after it, so only a kept request can still finish.
+            await asyncio.sleep(1.5)
             final = _delta(rid, mesh.instance, 1, " after", finished=True)
             await mesh.nc.publish(gateway_subject(mesh.requests[-1].gateway_id), final.to_bytes())
             rest = [json.loads(x[6:]) for x in [line async for line in lines] if x.startswith("data: {")]

@@ -230,7 +230,7 @@ async def test_one_engine_step_of_n_running_requests_is_one_message_on_the_detok
     expected = {rid: bus.tokenizer.decode(x) for rid, x in zip(rids, ids, strict=True)}
     assert await bus.texts(rids) == expected
     assert (await bus.stats()).active_rids == []  # every final delta acked, every stream forgotten
-    await asyncio.sleep(0.2)
+    await asyncio.sleep(0.2)  # quiet window: a resent batch would arrive within it
     assert len(bus.batches) == len(ids[0])  # one message per step, nothing resent
     assert len(bus.text_deltas) == n * len(ids[0])  # and one TextDelta per request per step
 
@@ -332,7 +332,7 @@ async def test_with_two_replicas_each_step_is_ceil_m_over_n_batches_and_both_rep
     expected = {rid: bus.tokenizer.decode(x) for rid, x in zip(rids, ids, strict=True)}
     assert await bus.texts(rids) == expected
     assert (await bus.stats()).active_rids == []
-    await asyncio.sleep(0.2)
+    await asyncio.sleep(0.2)  # quiet window: a resent batch would arrive within it
     assert len(bus.batches) == 3 * steps  # nothing resent
     decoded = bus.batches_decoded()
     assert sum(decoded) == 3 * steps

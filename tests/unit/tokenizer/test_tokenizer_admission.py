@@ -50,6 +50,7 @@ class FakeSlowScheduler:
         req = p.GenerateRequest.from_bytes(msg.data)
         self.attempts[req.rid] = self.attempts.get(req.rid, 0) + 1
         if req.rid not in self._admitted:
+            # Scenario timing: the busy engine admits `delay_s` after the first attempt.
             self._admitted[req.rid] = asyncio.create_task(asyncio.sleep(self.delay_s))
         asyncio.create_task(self._answer(msg, req))  # nats-py runs callbacks one at a time
 
@@ -77,7 +78,7 @@ async def _tokenizer(url: str, model_dir: str) -> TokenizerService:
 async def _beat(sched: FakeSlowScheduler, stop: asyncio.Event) -> None:
     while not stop.is_set():
         await sched.heartbeat()
-        await asyncio.sleep(p.HEARTBEAT_INTERVAL_S)
+        await asyncio.sleep(p.HEARTBEAT_INTERVAL_S)  # scenario timing: a scheduler's heartbeat period
 
 
 @pytest.mark.parametrize(
