@@ -7,18 +7,24 @@ import importlib.util
 import torch
 
 from kubesgl.attention.base import AttentionBackend
+from kubesgl.attention.errors import BackendUnavailableError
 from kubesgl.attention.hybrid_backend import HybridAttention
 
 BACKEND_NAMES = ("torch", "triton", "flashinfer", "fa3", "triton-split", "triton-planned")
 
 
-def resolve_auto(device: torch.device) -> str:
+HALF_DTYPES = (torch.float16, torch.bfloat16)  # what FlashInfer's kernels are built for
+
+
+def resolve_auto(device: torch.device, dtype: torch.dtype) -> str:
     """On CUDA: FlashInfer's prefill with our planned Triton decode (faster than FlashInfer's decode on ragged
-    and equal batches alike on the H200: 25.7k vs 24.1k tok/s offline), or Triton for both without FlashInfer;
-    elsewhere the torch reference."""
+    and equal batches alike on the H200: 25.7k vs 24.1k tok/s offline), or Triton for both without FlashInfer
+    or for a float32 model (FlashInfer has no float32 kernels); elsewhere the torch reference."""
     if device.type != "cuda":
         return "torch"
-    return "flashinfer,triton" if importlib.util.find_spec("flashinfer") is not None else "triton"
+    if dtype in HALF_DTYPES and importlib.util.find_spec("flashinfer") is not None:
+        return "flashinfer,triton"
+    return "triton"
 
 
 def create_backend(
@@ -40,7 +46,7 @@ def create_backend(
     device = torch.device(device)
     spec = name.strip().lower()
     if spec == "auto":  # first: what it resolves to may be a hybrid
-        spec = resolve_auto(device)
+        spec = resolve_auto(device, dtype)
     if "," in spec:
         parts = [p.strip() for p in spec.split(",")]
         if len(parts) != 2 or "auto" in parts or not all(parts):
@@ -77,6 +83,12 @@ def create_backend(
         )
     if spec == "flashinfer":
         from kubesgl.attention.flashinfer_backend import FlashInferAttention
+
+        if dtype not in HALF_DTYPES:  # FlashInfer would fail deep in its JIT with a KeyError
+            raise BackendUnavailableError(
+                f"attention backend 'flashinfer' needs a float16 or bfloat16 model, got {dtype}: "
+                "use --dtype bfloat16, or --attn triton / torch"
+            )
 
         return FlashInferAttention(
             device=device,

@@ -346,8 +346,22 @@ def test_auto_may_resolve_to_a_hybrid(monkeypatch: pytest.MonkeyPatch) -> None:
     pair that builds on a CPU, which the parse folds into one backend."""
     from kubesgl.attention import registry
 
-    monkeypatch.setattr(registry, "resolve_auto", lambda device: "torch, torch")
+    monkeypatch.setattr(registry, "resolve_auto", lambda device, dtype: "torch, torch")
     assert isinstance(make("auto", CPU_SHAPES[0], 1), TorchAttention)
+
+
+def test_auto_leaves_flashinfer_out_for_a_float32_model() -> None:
+    """FlashInfer has no float32 kernels (its JIT failed with a KeyError on the H200 for a float32 test model):
+    `auto` picks Triton for both phases there, and naming FlashInfer for float32 is refused with what to do."""
+    from kubesgl.attention import registry
+
+    cuda = torch.device("cuda")  # only resolved to a name: no device is touched
+    assert registry.resolve_auto(cuda, torch.float32) == "triton"
+    assert registry.resolve_auto(cuda, torch.bfloat16) in ("flashinfer,triton", "triton")
+    assert registry.resolve_auto(torch.device("cpu"), torch.bfloat16) == "torch"
+    with pytest.raises(BackendUnavailableError, match="needs a float16 or bfloat16 model, got torch.float32"):
+        registry.create_backend("flashinfer", device="cpu", page_size=1, num_q_heads=4, num_kv_heads=2,
+                                head_dim=16, dtype=torch.float32)  # fmt: skip
 
 
 @pytest.mark.parametrize("name", ["flashinfer", "fa3"])

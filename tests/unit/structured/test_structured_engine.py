@@ -115,15 +115,15 @@ def test_abort_while_the_grammar_compiles_releases_the_request(llm: LLM) -> None
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_graph_and_overlap_paths_mask_and_bias_alike(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    # Not the demo model (head_dim 16): its one device run failed (the message was not kept), most likely in
-    # FlashInfer's prefill, which the device's default attention uses and which is not built for head_dim 16.
-    # GPU-sized heads with the real tokenizer (the grammar's vocabulary); not yet re-run on the device.
+    # GPU-sized heads with the real tokenizer (the grammar's vocabulary), in bfloat16 as served: the random model
+    # is saved in float32, and `auto` took FlashInfer's prefill for it, which has no float32 kernels (the device
+    # run's KeyError; `auto` now picks Triton for float32, tests/unit/kernels/test_attention_backends.py).
     from kubesgl.models.random_init import build_random_model
 
     overrides = {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128}
     model = build_random_model("qwen3", tmp_path / "qwen3", overrides=overrides, tokenizer="qwen3")
     schema = Constraint.json_schema(SCHEMA)
-    with LLM(str(model), device="cuda", num_pages=4096) as gpu:
+    with LLM(str(model), device="cuda", dtype="bfloat16", num_pages=4096) as gpu:
         assert gpu.engine.runner.graphs is not None and gpu.engine.overlap
         outs = gpu.generate(
             ["a", "b", "c", "d"],
