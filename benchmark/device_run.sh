@@ -130,7 +130,7 @@ case "$mode" in
     timeout 80 env TORCH_BLAS_PREFER_CUBLASLT=1 $B --model Qwen3-0.6B | tail -1
     ;;
   jsontest)  # the structured-output GPU test alone (graph + overlap masking paths)
-    timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu --tb=short tests/unit/structured/test_structured_engine.py 2>&1 | grep -v "config/__init__|_warn_or_fail|^ *$" | tail -40 \
+    timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu --tb=short tests/unit/structured/test_structured_engine.py 2>&1 | grep -Ev "config/__init__|_warn_or_fail|^ *$" | tail -40 \
       | tee "$OUT/gpu_tests_json.txt"
     ;;
   big)  # Qwen3-14B on the offline benchmark (random weights), bounded
