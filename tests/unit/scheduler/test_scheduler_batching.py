@@ -395,7 +395,9 @@ def test_the_gil_switch_interval_flag_takes_positive_milliseconds(capsys: pytest
     parser = argparse.ArgumentParser()
     scheduler_app.add_arguments(parser)
     assert parser.parse_args(["--model", "m"]).gil_switch_interval_ms is None  # Python's own 5 ms
-    assert parser.parse_args(["--model", "m", "--gil-switch-interval-ms", "0.5"]).gil_switch_interval_ms == 0.5
+    assert (
+        parser.parse_args(["--model", "m", "--gil-switch-interval-ms", "0.5"]).gil_switch_interval_ms == 0.5
+    )
     with pytest.raises(SystemExit):
         parser.parse_args(["--model", "m", "--gil-switch-interval-ms", "0"])
     assert "--gil-switch-interval-ms: must be > 0, got 0" in capsys.readouterr().err
