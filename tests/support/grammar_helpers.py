@@ -9,6 +9,7 @@ zero-probability token today (test_structured_outputs pins that bug with an xfai
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -40,26 +41,18 @@ class RandomLogits:
         return torch.randn(self.vocab_size, generator=g).add_(self.bias)
 
 
-_SINGLE_ASCII: dict[int, tuple[object, list[int]]] = {}
-
-
+@functools.cache  # per tokenizer object (hashed by identity): every caller asks again
 def single_ascii_tokens(tokenizer) -> list[int]:  # type: ignore[no-untyped-def]
     """Ids of the tokens that decode to one printable ASCII character (digits, letters, punctuation).
 
     Only tokens spelled with one vocabulary character are decoded (a byte-level BPE token decodes to one byte per
-    character of its spelling): decoding all ~150k took ~5 s. Kept per tokenizer, as every caller asks again."""
-    cached = _SINGLE_ASCII.get(id(tokenizer))
-    if cached is None or cached[0] is not tokenizer:
-        spelled = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
-        short = [tid for tid, t in enumerate(spelled) if t is not None and len(t) == 1]
-        texts = tokenizer.batch_decode([[tid] for tid in short])
-        found = [
-            tid
-            for tid, s in zip(short, texts, strict=True)
-            if len(s) == 1 and s.isascii() and s.isprintable()
-        ]
-        cached = _SINGLE_ASCII[id(tokenizer)] = (tokenizer, found)
-    return cached[1]
+    character of its spelling): decoding all ~150k took ~5 s."""
+    spelled = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    short = [tid for tid, t in enumerate(spelled) if t is not None and len(t) == 1]
+    texts = tokenizer.batch_decode([[tid] for tid in short])
+    return [
+        tid for tid, s in zip(short, texts, strict=True) if len(s) == 1 and s.isascii() and s.isprintable()
+    ]
 
 
 def terminating_random_logits(tokenizer, seed: int) -> RandomLogits:  # type: ignore[no-untyped-def]

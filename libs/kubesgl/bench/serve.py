@@ -25,6 +25,7 @@ import itertools
 import json
 import os
 import statistics
+import sys
 import time
 from typing import Any
 
@@ -176,7 +177,7 @@ async def _serve(
     ]
     errors = sorted({t.error for t in timings if t.error})
     ttfts = [t.ttft for t in ok if t.ttft is not None]
-    counted = after[1] - before[1]
+    counted = after[1] - before[1] if after and before else 0
     gateway_mean = round((after[0] - before[0]) / counted, 4) if counted > 0 else None
     client_mean = round(statistics.mean(ttfts), 4) if ttfts else None
     # The same TTFTs from the moment each request was written: what any server clock can see (the client's own
@@ -191,8 +192,8 @@ async def _serve(
         "output_tokens": out_tokens,
         "seconds": round(wall, 3),
         "output_tok_s": round(out_tokens / wall, 2),
-        "ttft_p50_s": percentile([t.ttft for t in ok if t.ttft is not None], 50),
-        "ttft_p99_s": percentile([t.ttft for t in ok if t.ttft is not None], 99),
+        "ttft_p50_s": percentile(ttfts, 50),
+        "ttft_p99_s": percentile(ttfts, 99),
         "ttft_mean_s": client_mean,
         # The gateways' own TTFT histograms over the same burst (every gateway's /metrics, before and after).
         "gateway_ttft_mean_s": gateway_mean,
@@ -218,7 +219,10 @@ async def _warm_up(url: str, headers: dict[str, str], model: str, ids: list[int]
     deadline = time.monotonic() + WARM_UP_TIMEOUT_S
     while True:
         error = (await _stream(url, headers, model, ids, 2, temperature)).error
-        if error is None or not error.startswith("HTTP 503") or time.monotonic() > deadline:
+        if error is None:
+            return
+        if not error.startswith("HTTP 503") or time.monotonic() > deadline:  # the burst will show it too
+            print(f"kubesgl bench serve: warm-up through {url} failed: {error}", file=sys.stderr)
             return
         await asyncio.sleep(0.5)
 
@@ -286,17 +290,18 @@ def _offline(args: argparse.Namespace, prompts: list[list[int]], max_tokens: lis
     }
 
 
-async def _gateway_ttft(http: httpx.AsyncClient, urls: list[str], model: str) -> tuple[float, float]:
-    """(sum, count) of the gateways' TTFT histograms for `model`, summed over every gateway; a gateway whose
-    /metrics is unreachable adds nothing."""
+async def _gateway_ttft(http: httpx.AsyncClient, urls: list[str], model: str) -> tuple[float, float] | None:
+    """(sum, count) of the gateways' TTFT histograms for `model`, summed over every gateway; None when one
+    gateway's /metrics cannot be read (a partial sum would make the gateway/client ratio wrong, not missing)."""
     values = {"sum": 0.0, "count": 0.0}
     prefix = "kubesgl_gateway_time_to_first_token_seconds_"
     for url in urls:
         try:
             r = await http.get(f"{url}/metrics")
             r.raise_for_status()
-        except httpx.HTTPError:
-            continue
+        except httpx.HTTPError as e:
+            print(f"kubesgl bench serve: {url}/metrics not read ({e}): no gateway TTFT", file=sys.stderr)
+            return None
         for line in r.text.splitlines():
             for key in values:
                 if line.startswith(f'{prefix}{key}{{model="{model}"}} '):

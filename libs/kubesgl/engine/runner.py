@@ -386,26 +386,19 @@ class ModelRunner:
         return self._sample_now(pending, bitmask)
 
     def _sample_now(self, pending: PendingSample, bitmask: torch.Tensor | None = None) -> StepResult:
-        plan, logits, slots_t, seq_lens_t, prompt = (
-            pending.plan,
-            pending.logits,
-            pending.slots_t,
-            pending.seq_lens_t,
-            pending.prompt,
-        )
+        plan = pending.plan
         pick = [i for i, s in enumerate(plan.sample) if s]
-        seq_lens = plan.seq_lens
         toks, chosen, top_ids, top_lp = self.sampler.sample(
-            logits,
+            pending.logits,
             [plan.slots[i] for i in pick],
-            [seq_lens[i] for i in pick],
+            [plan.seq_lens[i] for i in pick],
             self.token_pool,
             [plan.top_logprobs[i] for i in pick],
             plan.grammar_rows,
             bitmask,
         )
-        self.token_pool[slots_t, seq_lens_t] = toks
-        return self._result(plan, toks, chosen, top_ids, top_lp, prompt)
+        self.token_pool[pending.slots_t, pending.seq_lens_t] = toks
+        return self._result(plan, toks, chosen, top_ids, top_lp, pending.prompt)
 
     def _result(
         self,

@@ -182,8 +182,11 @@ class Scheduler:
         if not self._compiling:
             return
         # An aborted request left the queue and dropped its future (_finish): it only leaves this list.
-        done = [r for r in self._compiling if r.grammar_future is None or r.grammar_future.done()]
-        self._compiling = [r for r in self._compiling if r not in done]
+        done: list[Req] = []
+        still: list[Req] = []
+        for r in self._compiling:
+            (done if r.grammar_future is None or r.grammar_future.done() else still).append(r)
+        self._compiling = still
         for req in done:
             future, req.grammar_future = req.grammar_future, None
             if future is None:
