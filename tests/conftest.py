@@ -166,3 +166,18 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         group = _GROUPS.get(item.path.name)
         if group is not None:
             item.add_marker(group.split("/")[0])
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A failed test that used a service stack shows which services died and each one's last log lines: CI
+    keeps only pytest's output, and the workdir with the logs is gone by the time anyone looks."""
+    report = yield
+    if report.failed and call.when == "call":
+        for stack in {
+            id(v): v for v in getattr(item, "funcargs", {}).values() if isinstance(v, Stack)
+        }.values():
+            for svc in stack.services.values():
+                state = "running" if svc.proc.poll() is None else f"exited {svc.proc.returncode}"
+                report.sections.append((f"{svc.name} ({state}), last lines", svc.log_tail(15) or "(nothing)"))
+    return report

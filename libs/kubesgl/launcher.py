@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 
+from kubesgl.service.listen import listen_socket
 from kubesgl.service.nats_server import NatsServer
 from kubesgl.service.process import parent_death_signal, terminate
 
@@ -183,36 +184,44 @@ class Stack:
             c.log_level,
         ]
         instance_id = f"{name}-{os.getpid()}" if kind == "scheduler" else None
-        if kind == "gateway":
-            port = (c.port + index) if c.port else free_port()
-            args += ["--host", c.host, "--port", str(port), *c.gateway_args]
-            ready_url = f"http://{_connect_host(c.host)}:{port}/ready"
-        else:
-            admin = self._admin_port(name)
-            args += ["--model", c.model_path, "--admin-host", "127.0.0.1", "--admin-port", str(admin)]
-            if kind in ("scheduler", "tokenizer"):
-                args += ["--served-model-name", c.served_model_name]
-            if kind == "scheduler":
-                args += ["--instance-id", str(instance_id), *c.scheduler_args]
-            if kind == "tokenizer":
-                args += list(c.tokenizer_args)
-            ready_url = f"http://127.0.0.1:{admin}/ready"
-        log_path = self.workdir / f"{name}.log" if c.log_to_files else None
-        # To a file, or through a pipe we relay to the terminal (so a child that dies shows us why).
-        out = open(log_path, "ab") if log_path else subprocess.PIPE  # noqa: SIM115 - the child owns it
+        # Bound and listening here, before the child starts: no other process can take the port meanwhile.
+        host = c.host if kind == "gateway" else "127.0.0.1"
+        planned = (c.port + index if c.port else 0) if kind == "gateway" else self._admin_port(name)
+        sock = self._listen(name, host, planned)
         try:
-            proc = subprocess.Popen(
-                [*args, *extra_args],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, **self._threads_env(kind), **c.env},
-                # Own session: a terminal's Ctrl-C reaches only the launcher, which stops children in order.
-                start_new_session=True,
-                preexec_fn=parent_death_signal,
-            )
+            port, fd = sock.getsockname()[1], sock.fileno()
+            if kind == "gateway":
+                args += ["--host", c.host, "--port", str(port), "--fd", str(fd), *c.gateway_args]
+                ready_url = f"http://{_connect_host(c.host)}:{port}/ready"
+            else:
+                args += ["--model", c.model_path, "--admin-host", host, "--admin-port", str(port)]
+                args += ["--admin-fd", str(fd)]
+                if kind in ("scheduler", "tokenizer"):
+                    args += ["--served-model-name", c.served_model_name]
+                if kind == "scheduler":
+                    args += ["--instance-id", str(instance_id), *c.scheduler_args]
+                if kind == "tokenizer":
+                    args += list(c.tokenizer_args)
+                ready_url = f"http://{host}:{port}/ready"
+            log_path = self.workdir / f"{name}.log" if c.log_to_files else None
+            # To a file, or through a pipe we relay to the terminal (so a child that dies shows us why).
+            out = open(log_path, "ab") if log_path else subprocess.PIPE  # noqa: SIM115 - the child owns it
+            try:
+                proc = subprocess.Popen(
+                    [*args, *extra_args],
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    env={**os.environ, **self._threads_env(kind), **c.env},
+                    # Own session: a terminal's Ctrl-C reaches only the launcher, which stops children in order.
+                    start_new_session=True,
+                    preexec_fn=parent_death_signal,
+                    pass_fds=(fd,),
+                )
+            finally:
+                if log_path:
+                    out.close()
         finally:
-            if log_path:
-                out.close()
+            sock.close()  # the child holds it now: once it exits, the port refuses connections
         svc = ServiceProcess(name, kind, proc, ready_url, log_path, instance_id)
         if log_path is None:
             svc.relay_output(width=max(len(n) for n in [*self._ports, name]))
@@ -222,11 +231,18 @@ class Stack:
     def _admin_port(self, name: str) -> int:
         """The planned port of a configured replica; past those (a replica added later), the next one up."""
         if not self.config.base_port:
-            return free_port()
+            return 0  # any free port, chosen when spawn binds it
         if name in self._ports:
             return self._ports[name]
         port, self._next_admin_port = self._next_admin_port, self._next_admin_port + 1
         return port
+
+    @staticmethod
+    def _listen(name: str, host: str, port: int) -> socket.socket:
+        try:
+            return listen_socket(host, port)
+        except OSError as e:
+            raise PortInUseError(f"{name} cannot listen on {host}:{port}: {e.strerror}") from e
 
     def wait_ready(self, timeout_s: float, names: list[str] | None = None) -> None:
         """Blocks until every (named) service answers /ready 200; raises if one exits or time runs out."""
@@ -404,7 +420,11 @@ def main(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     code = 0
     try:
-        stack.start()
+        try:
+            stack.start()
+        except PortInUseError as e:  # taken since check_ports looked
+            print(f"kubesgl: {e}", file=sys.stderr, flush=True)
+            return 2
         print(f"kubesgl: starting {_summary(config)} (model {model_path})", flush=True)
         if demo_cap:
             print(

@@ -16,6 +16,7 @@ from kubesgl.service.nats_conn import add_nats_arguments
 class GatewayConfig:
     host: str = "0.0.0.0"
     port: int = 8000
+    listen_fd: int | None = None  # an inherited listening socket (service/listen.py) instead of host:port
     nats_url: str | None = None
     gateway_id: str = ""
     request_timeout_s: float = 600.0
@@ -38,6 +39,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_nats_arguments(parser)
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port (API, /health, /ready, /metrics)")
+    parser.add_argument(
+        "--fd",
+        type=int,
+        default=None,
+        help="serve on this inherited listening socket instead of binding --host/--port "
+        "(how `kubesgl up` hands each gateway a port no other process can take meanwhile)",
+    )
     parser.add_argument(
         "--gateway-id", default=None, help="NATS reply subject token (default: hostname-random)"
     )
@@ -84,6 +92,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     return GatewayConfig(
         host=args.host,
         port=args.port,
+        listen_fd=args.fd,
         nats_url=args.nats_url,
         gateway_id=args.gateway_id or default_gateway_id(),
         request_timeout_s=args.request_timeout,

@@ -9,15 +9,17 @@ import os
 import queue
 import random
 import signal
+import socket
 import subprocess
 import sys
 import threading
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import psutil
 import pytest
-from kubesgl.launcher import Stack, StackConfig, free_port, planned_ports, port_free
+from kubesgl.launcher import Stack, StackConfig, free_port, http_ok, planned_ports, port_free
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -190,3 +192,25 @@ def test_up_refuses_a_directory_that_is_not_a_model(tmp_path: Path) -> None:
         timeout=60,
     )
     assert out.returncode != 0 and "is not a model directory (no config.json)" in out.stderr
+
+
+def test_a_spawned_service_owns_its_port_before_it_runs(demo_model_dir: str, tmp_path: Path) -> None:
+    """The launcher binds each service's port and hands the child the socket: no other process (a parallel
+    test's stack) can take a port between its choice and the child's start, the failure a "free port"
+    number allowed (the child died on EADDRINUSE while another stack's service answered its /ready)."""
+    stack = Stack(StackConfig(demo_model_dir, "demo", port=0), tmp_path)
+    stack.nats.start()
+    try:
+        gateway, detok = stack.spawn("gateway"), stack.spawn("detokenizer")
+        ports = [urlsplit(s.ready_url).port for s in (gateway, detok)]
+        # Right after Popen: the children are still importing Python, yet their ports are taken.
+        assert all(p and not port_free("127.0.0.1", p) for p in ports), ports
+        stack.wait_ready(120, ["detokenizer-0"])  # a gateway is ready only once a scheduler heartbeats
+        assert http_ok(gateway.ready_url.replace("/ready", "/health"), timeout_s=10)
+        detok.proc.kill()
+        detok.proc.wait(10)
+        # The launcher kept no copy of the socket: a dead service's port refuses (it does not hang probes).
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", ports[1]), timeout=2).close()
+    finally:
+        stack.stop(timeout_s=10)

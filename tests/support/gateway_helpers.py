@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import httpx
+from kubesgl.service.listen import listen_socket
 
 
 def free_port() -> int:
@@ -21,13 +22,30 @@ def free_port() -> int:
 
 class GatewayProcess:
     def __init__(self, nats_url: str, log_dir: Path, *args: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_dir / f"gateway-{self.port}.log"
-        cmd = [sys.executable, "-m", "kubesgl.cli", "gateway", "--nats-url", nats_url, "--host", "127.0.0.1"]
-        cmd += ["--port", str(self.port), *args]
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - lives as long as the process
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=dict(os.environ))
+        # Bound here and handed over, as the launcher does: a parallel test cannot take the port meanwhile.
+        with listen_socket("127.0.0.1", 0) as sock:
+            self.port = sock.getsockname()[1]
+            self.url = f"http://127.0.0.1:{self.port}"
+            self.log_path = log_dir / f"gateway-{self.port}.log"
+            cmd = [
+                sys.executable,
+                "-m",
+                "kubesgl.cli",
+                "gateway",
+                "--nats-url",
+                nats_url,
+                "--host",
+                "127.0.0.1",
+            ]
+            cmd += ["--port", str(self.port), "--fd", str(sock.fileno()), *args]
+            self._log = open(self.log_path, "wb")  # noqa: SIM115 - lives as long as the process
+            self.proc = subprocess.Popen(
+                cmd,
+                stdout=self._log,
+                stderr=subprocess.STDOUT,
+                env=dict(os.environ),
+                pass_fds=(sock.fileno(),),
+            )
 
     def wait_healthy(self, timeout_s: float = 30.0) -> None:
         wait_http(f"{self.url}/health", timeout_s, self)

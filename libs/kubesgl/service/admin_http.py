@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry
@@ -30,15 +31,20 @@ class AdminServer:
         port: int,
         ready: Callable[[], bool],
         registry: CollectorRegistry,
+        sock: socket.socket | None = None,
     ) -> None:
         self.host, self.port = host, port
+        self._sock = sock  # an inherited listening socket (service/listen.py): serves there, not host:port
         self._ready = ready
         self._registry = registry
         self._server: asyncio.Server | None = None
 
     async def start(self) -> int:
         """Starts listening; returns the bound port (useful with port 0)."""
-        self._server = await asyncio.start_server(self._handle, self.host, self.port)
+        if self._sock is not None:
+            self._server = await asyncio.start_server(self._handle, sock=self._sock)
+        else:
+            self._server = await asyncio.start_server(self._handle, self.host, self.port)
         self.port = self._server.sockets[0].getsockname()[1]
         log.info("admin endpoint on http://%s:%d (/health /ready /metrics)", self.host, self.port)
         return self.port
