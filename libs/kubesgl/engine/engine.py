@@ -12,9 +12,8 @@ import concurrent.futures
 import datetime
 import logging
 import os
-import socket
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -86,27 +85,34 @@ def local_ranks(config: EngineConfig) -> range:
     return range(config.node_rank * per_node, (config.node_rank + 1) * per_node)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _loopback_store(config: EngineConfig) -> dist.TCPStore | None:
+    """One node, no --dist-port: rank 0's rendezvous store, listening on a port the kernel picked, made
+    before the other ranks start (a "free" port passed by number could be taken during their imports)."""
+    if config.tp_size == 1 or config.nnodes > 1 or config.dist_port:
+        return None
+    return dist.TCPStore(
+        "127.0.0.1", 0, config.tp_size, is_master=True, timeout=_DIST_TIMEOUT, wait_for_workers=False
+    )
 
 
-def _init_tp(rank: int, config: EngineConfig, port: int) -> TPGroup:
+def _init_tp(rank: int, config: EngineConfig, port: int, store: dist.Store | None = None) -> TPGroup:
     if config.tp_size == 1:
         return TPGroup()
     backend = "nccl" if config.device == "cuda" else "gloo"
     local_rank = rank - local_ranks(config).start
     if config.device == "cuda":
         torch.cuda.set_device(local_rank)
-    # One node: a loopback port; several: rank 0's node at dist_init_addr (its TCPStore listens there).
+    if store is None and config.nnodes == 1 and not config.dist_port:
+        # Rank 0 made the loopback store before spawning us (_loopback_store); we join it as clients.
+        store = dist.TCPStore("127.0.0.1", port, config.tp_size, is_master=False, timeout=_DIST_TIMEOUT)
+    # With a store every rank passes it (init_process_group prefixes an init_method's store, not a given
+    # one, so the two must not mix); --dist-port or several nodes: rank 0's TCPStore at that address.
     address = config.dist_init_addr if config.nnodes > 1 else f"127.0.0.1:{port}"
+    rendezvous: dict[str, Any] = (
+        {"store": store} if store is not None else {"init_method": f"tcp://{address}"}
+    )
     dist.init_process_group(
-        backend,
-        init_method=f"tcp://{address}",
-        rank=rank,
-        world_size=config.tp_size,
-        timeout=_DIST_TIMEOUT,
+        backend, rank=rank, world_size=config.tp_size, timeout=_DIST_TIMEOUT, **rendezvous
     )
     group = dist.group.WORLD
     cpu_group = dist.new_group(backend="gloo", timeout=_DIST_TIMEOUT) if backend != "gloo" else group
@@ -171,10 +177,11 @@ class Engine:
         if config.node_rank != 0:
             raise InvalidRequestError("only node 0 runs the engine; other nodes use run_node_ranks")
         self.config = config
-        port = config.dist_port or _free_port()
+        store = _loopback_store(config)
+        port = store.port if store is not None else config.dist_port
         # This node's other ranks; the other nodes start theirs themselves (run_node_ranks).
         self._workers: list[BaseProcess] = _spawn_ranks(local_ranks(config)[1:], config, port)
-        self.tp = _init_tp(0, config, port)
+        self.tp = _init_tp(0, config, port, store)
         try:
             self.runner = ModelRunner(config, self.tp)
         except BaseException:
