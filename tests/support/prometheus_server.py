@@ -31,36 +31,49 @@ class PrometheusServer:
         binary = shutil.which("prometheus")
         if binary is None:
             raise RuntimeError(f"the prometheus binary is not on PATH; {INSTALL_HINT}")
+        self._binary = binary
+        self._workdir = workdir
+        self._config_file = workdir / "prometheus.yml"
+        self._config_file.write_text(json.dumps(_config(targets)))  # JSON is YAML
+        self._logfile = workdir / "prometheus.log"
+        self._log = self._logfile.open("w")
+        self._start()
+
+    def _start(self) -> None:
+        # Prometheus binds its port itself, so the number is chosen here and may be taken by another process
+        # before it binds: wait_ready then starts it again on another port.
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        config = workdir / "prometheus.yml"
-        config.write_text(json.dumps(_config(targets)))  # JSON is YAML
-        self._log = (workdir / "prometheus.log").open("w")
         self._proc = subprocess.Popen(
             [
-                binary,
-                f"--config.file={config}",
+                self._binary,
+                f"--config.file={self._config_file}",
                 f"--web.listen-address=127.0.0.1:{self.port}",
-                f"--storage.tsdb.path={workdir / 'data'}",
+                f"--storage.tsdb.path={self._workdir / 'data'}",
                 "--log.level=warn",
             ],
             stdout=self._log,
             stderr=subprocess.STDOUT,
         )
-        self._logfile = workdir / "prometheus.log"
 
     def wait_ready(self, timeout_s: float = 30.0) -> None:
         deadline = time.monotonic() + timeout_s
+        retries = 3
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
-                raise RuntimeError(
-                    f"prometheus exited {self._proc.returncode}: {self._logfile.read_text()[-2000:]}"
-                )
+                log = self._logfile.read_text()
+                if "address already in use" in log and retries > 0:
+                    retries -= 1
+                    self._log.write(f"--- port {self.port} was taken; starting again on another\n")
+                    self._log.flush()
+                    self._start()
+                    continue
+                raise RuntimeError(f"prometheus exited {self._proc.returncode}: {log[-2000:]}")
             try:
                 with urllib.request.urlopen(self.url + "/-/ready", timeout=1) as resp:
                     if resp.status == 200:
                         return
-            except (urllib.error.URLError, ConnectionError):
+            except OSError:  # refused, reset, timed out (URLError is one)
                 pass
             time.sleep(0.2)
         raise TimeoutError(f"prometheus not ready within {timeout_s}s: {self._logfile.read_text()[-2000:]}")

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import uvicorn
-from kubesgl.launcher import free_port
+from kubesgl.service.listen import listen_socket
 from kubesgl.services.gateway.access_log import AccessLog, arrival_of
 from kubesgl.services.gateway.http_protocol import TimedHttpProtocol
 
@@ -42,17 +42,16 @@ blocking = threading.Event()
 
 @pytest.fixture(scope="module")
 def port() -> Iterator[int]:
-    port = free_port()
+    sock = listen_socket("127.0.0.1", 0)  # bound here: no other test can take the port before uvicorn runs
+    port = sock.getsockname()[1]
     config = uvicorn.Config(
         AccessLog(_app),
-        host="127.0.0.1",
-        port=port,
         http=TimedHttpProtocol,
         lifespan="off",
         log_level="warning",
     )
     server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
+    thread = threading.Thread(target=server.run, args=([sock],), daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
     while not server.started:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import queue
-import socket
 from datetime import timedelta
 from pathlib import Path
 
@@ -30,13 +29,9 @@ def run_request(path: Path, tp: TPGroup, linear: str = "torch") -> torch.Tensor:
 
 
 def _rank_main(rank: int, size: int, port: int, paths: list[Path], results: mp.Queue, linear: str) -> None:
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=size,
-        timeout=timedelta(seconds=60),
-    )
+    timeout = timedelta(seconds=60)
+    store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=timeout)
     try:
         tp = TPGroup(rank, size, dist.group.WORLD, dist.new_group(backend="gloo"))
         for path in paths:
@@ -48,16 +43,15 @@ def _rank_main(rank: int, size: int, port: int, paths: list[Path], results: mp.Q
         dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_tp(paths: list[Path], size: int, linear: str = "torch") -> dict[str, torch.Tensor]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
+    # The rendezvous store listens before the ranks start, on a port the kernel picked (one passed by number
+    # could be taken by another test while the ranks import).
+    store = dist.TCPStore(
+        "127.0.0.1", 0, size, is_master=True, timeout=timedelta(seconds=60), wait_for_workers=False
+    )
+    port = store.port
     procs = [
         ctx.Process(target=_rank_main, args=(r, size, port, paths, results, linear)) for r in range(size)
     ]
