@@ -7,7 +7,6 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import sys
 from collections.abc import AsyncIterator
 from types import FrameType
 
@@ -19,7 +18,6 @@ from kubesgl import __version__
 from kubesgl.errors import InvalidRequestError, KubesglError
 from kubesgl.openai_api.http_errors import error_body, error_from_validation
 from kubesgl.routing import SchedulerRegistry
-from kubesgl.service.listen import inherited_socket
 from kubesgl.service.nats_conn import NatsSettings, connect
 from kubesgl.service.telemetry.metrics import GatewayMetrics, new_registry
 from kubesgl.service.telemetry.tracing import Tracing
@@ -48,11 +46,6 @@ def main(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    try:
-        sockets = [inherited_socket(config.listen_fd)] if config.listen_fd is not None else None
-    except ValueError as e:
-        print(f"kubesgl gateway: --fd: {e}", file=sys.stderr)
-        return 2
     app = build_app(config)
     server = _Server(
         uvicorn.Config(
@@ -66,7 +59,7 @@ def main(args: argparse.Namespace) -> int:
             timeout_keep_alive=30,
         )
     )
-    server.run(sockets)
+    server.run([config.sock] if config.sock is not None else None)
     return 0
 
 

@@ -9,6 +9,7 @@ import socket
 import uuid
 from dataclasses import dataclass
 
+from kubesgl.service.listen import inherited_socket_arg
 from kubesgl.service.nats_conn import add_nats_arguments
 
 
@@ -16,7 +17,9 @@ from kubesgl.service.nats_conn import add_nats_arguments
 class GatewayConfig:
     host: str = "0.0.0.0"
     port: int = 8000
-    listen_fd: int | None = None  # an inherited listening socket (service/listen.py) instead of host:port
+    sock: socket.socket | None = (
+        None  # an inherited listening socket (--fd, service/listen.py), not host:port
+    )
     nats_url: str | None = None
     gateway_id: str = ""
     request_timeout_s: float = 600.0
@@ -41,7 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="HTTP port (API, /health, /ready, /metrics)")
     parser.add_argument(
         "--fd",
-        type=int,
+        dest="sock",
+        type=inherited_socket_arg,
         default=None,
         help="serve on this inherited listening socket instead of binding --host/--port "
         "(how `kubesgl up` hands each gateway a port no other process can take meanwhile)",
@@ -92,7 +96,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     return GatewayConfig(
         host=args.host,
         port=args.port,
-        listen_fd=args.fd,
+        sock=args.sock,
         nats_url=args.nats_url,
         gateway_id=args.gateway_id or default_gateway_id(),
         request_timeout_s=args.request_timeout,

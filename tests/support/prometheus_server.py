@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import time
 import urllib.error
@@ -15,13 +14,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kubesgl.launcher import free_port
+
 INSTALL_HINT = "install it with: apt-get update && apt-get install -y prometheus"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class PrometheusServer:
@@ -42,8 +37,10 @@ class PrometheusServer:
     def _start(self) -> None:
         # Prometheus binds its port itself, so the number is chosen here and may be taken by another process
         # before it binds: wait_ready then starts it again on another port.
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self._log.flush()
+        self._log_from = self._logfile.stat().st_size  # this start's output begins here
         self._proc = subprocess.Popen(
             [
                 self._binary,
@@ -61,7 +58,7 @@ class PrometheusServer:
         retries = 3
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
-                log = self._logfile.read_text()
+                log = self._logfile.read_bytes()[self._log_from :].decode(errors="replace")
                 if "address already in use" in log and retries > 0:
                     retries -= 1
                     self._log.write(f"--- port {self.port} was taken; starting again on another\n")

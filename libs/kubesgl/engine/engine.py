@@ -13,7 +13,7 @@ import datetime
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -67,7 +67,10 @@ def _validate(config: EngineConfig) -> None:
     nodes = [
         (config.nnodes >= 1 and config.tp_size % config.nnodes == 0, "tp_size must be a multiple of nnodes"),
         (0 <= config.node_rank < config.nnodes, "node_rank must be in [0, nnodes)"),
-        (config.nnodes == 1 or ":" in config.dist_init_addr, "nnodes > 1 needs dist_init_addr host:port"),
+        (
+            config.nnodes == 1 or config.dist_init_addr.rpartition(":")[2].isdigit(),
+            "nnodes > 1 needs dist_init_addr host:port",
+        ),
     ]
     for ok, why in nodes:
         if not ok:
@@ -85,35 +88,38 @@ def local_ranks(config: EngineConfig) -> range:
     return range(config.node_rank * per_node, (config.node_rank + 1) * per_node)
 
 
-def _loopback_store(config: EngineConfig) -> dist.TCPStore | None:
-    """One node, no --dist-port: rank 0's rendezvous store, listening on a port the kernel picked, made
-    before the other ranks start (a "free" port passed by number could be taken during their imports)."""
-    if config.tp_size == 1 or config.nnodes > 1 or config.dist_port:
+def _store_address(config: EngineConfig, port: int) -> tuple[str, int]:
+    """Where the ranks meet: several nodes at dist_init_addr (rank 0's node); one node on loopback at `port`."""
+    if config.nnodes == 1:
+        return "127.0.0.1", port
+    host, _, number = config.dist_init_addr.rpartition(":")
+    return host.strip("[]"), int(number)
+
+
+def _rank0_store(config: EngineConfig) -> dist.TCPStore | None:
+    """Rank 0's rendezvous store, listening before any other rank starts. One node without --dist-port: on a
+    port the kernel picks, which the ranks rank 0 spawns are told (a "free" port passed by number could be
+    taken during their imports)."""
+    if config.tp_size == 1:
         return None
+    host, port = _store_address(config, config.dist_port)
     return dist.TCPStore(
-        "127.0.0.1", 0, config.tp_size, is_master=True, timeout=_DIST_TIMEOUT, wait_for_workers=False
+        host, port, config.tp_size, is_master=True, timeout=_DIST_TIMEOUT, wait_for_workers=False
     )
 
 
-def _init_tp(rank: int, config: EngineConfig, port: int, store: dist.Store | None = None) -> TPGroup:
+def _init_tp(rank: int, config: EngineConfig, port: int, store: dist.TCPStore | None = None) -> TPGroup:
+    """Joins the group: rank 0 through its own store (_rank0_store), every other rank as that store's client."""
     if config.tp_size == 1:
         return TPGroup()
     backend = "nccl" if config.device == "cuda" else "gloo"
     local_rank = rank - local_ranks(config).start
     if config.device == "cuda":
         torch.cuda.set_device(local_rank)
-    if store is None and config.nnodes == 1 and not config.dist_port:
-        # Rank 0 made the loopback store before spawning us (_loopback_store); we join it as clients.
-        store = dist.TCPStore("127.0.0.1", port, config.tp_size, is_master=False, timeout=_DIST_TIMEOUT)
-    # With a store every rank passes it (init_process_group prefixes an init_method's store, not a given
-    # one, so the two must not mix); --dist-port or several nodes: rank 0's TCPStore at that address.
-    address = config.dist_init_addr if config.nnodes > 1 else f"127.0.0.1:{port}"
-    rendezvous: dict[str, Any] = (
-        {"store": store} if store is not None else {"init_method": f"tcp://{address}"}
-    )
-    dist.init_process_group(
-        backend, rank=rank, world_size=config.tp_size, timeout=_DIST_TIMEOUT, **rendezvous
-    )
+    if store is None:
+        host, port = _store_address(config, port)
+        store = dist.TCPStore(host, port, config.tp_size, is_master=False, timeout=_DIST_TIMEOUT)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=config.tp_size, timeout=_DIST_TIMEOUT)
     group = dist.group.WORLD
     cpu_group = dist.new_group(backend="gloo", timeout=_DIST_TIMEOUT) if backend != "gloo" else group
     return TPGroup(rank, config.tp_size, group, cpu_group, local_rank)
@@ -177,8 +183,8 @@ class Engine:
         if config.node_rank != 0:
             raise InvalidRequestError("only node 0 runs the engine; other nodes use run_node_ranks")
         self.config = config
-        store = _loopback_store(config)
-        port = store.port if store is not None else config.dist_port
+        store = _rank0_store(config)
+        port = store.port if store is not None else 0
         # This node's other ranks; the other nodes start theirs themselves (run_node_ranks).
         self._workers: list[BaseProcess] = _spawn_ranks(local_ranks(config)[1:], config, port)
         self.tp = _init_tp(0, config, port, store)

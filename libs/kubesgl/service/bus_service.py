@@ -6,8 +6,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import socket
-import sys
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
@@ -16,7 +14,7 @@ from prometheus_client import CollectorRegistry
 
 from kubesgl.service.admin_http import AdminServer
 from kubesgl.service.lifecycle import configure_logging, stop_on_signals
-from kubesgl.service.listen import inherited_socket
+from kubesgl.service.listen import inherited_socket_arg
 from kubesgl.service.nats_conn import NatsSettings, add_nats_arguments, connect
 
 log = logging.getLogger("kubesgl.service")
@@ -49,7 +47,8 @@ def add_service_arguments(parser: argparse.ArgumentParser, drain_timeout_s: floa
     )
     parser.add_argument(
         "--admin-fd",
-        type=int,
+        dest="admin_socket",
+        type=inherited_socket_arg,
         default=None,
         help="serve the admin endpoint on this inherited listening socket instead of --admin-host/--admin-port "
         "(how `kubesgl up` hands each service a port no other process can take meanwhile)",
@@ -71,12 +70,7 @@ def run_bus_service(
 ) -> int:
     """Runs the service to completion; returns the process exit code."""
     configure_logging(args.log_level)
-    try:
-        sock = inherited_socket(args.admin_fd) if args.admin_fd is not None else None
-    except ValueError as e:
-        print(f"kubesgl {name}: --admin-fd: {e}", file=sys.stderr)
-        return 2
-    return asyncio.run(_serve(args, name, registry, build, sock))
+    return asyncio.run(_serve(args, name, registry, build))
 
 
 async def _serve(
@@ -84,12 +78,15 @@ async def _serve(
     name: str,
     registry: CollectorRegistry,
     build: Callable[[Client, asyncio.Event], Awaitable[BusService]],
-    sock: socket.socket | None,
 ) -> int:
     stop = stop_on_signals()
     service: BusService | None = None
     admin = AdminServer(
-        args.admin_host, args.admin_port, lambda: service is not None and service.ready(), registry, sock
+        args.admin_host,
+        args.admin_port,
+        lambda: service is not None and service.ready(),
+        registry,
+        args.admin_socket,
     )
     await admin.start()
     try:

@@ -9,6 +9,7 @@ runs. In a pod nothing changes: the services bind their configured ports themsel
 
 from __future__ import annotations
 
+import argparse
 import socket
 
 _BACKLOG = 2048  # uvicorn's default; the kernel caps it at net.core.somaxconn
@@ -44,3 +45,13 @@ def inherited_socket(fd: int) -> socket.socket:
         raise ValueError(f"descriptor {fd} is not a listening TCP socket")
     sock.setblocking(False)
     return sock
+
+
+def inherited_socket_arg(value: str) -> socket.socket:
+    """argparse `type` of a descriptor flag (--fd, --admin-fd): the socket, or the flag's error (exit 2)."""
+    if not value.isdigit():
+        raise argparse.ArgumentTypeError(f"{value!r} is not a descriptor number")
+    try:
+        return inherited_socket(int(value))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None

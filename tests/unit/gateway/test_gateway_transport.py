@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import nats
 import pytest
+from kubesgl.launcher import free_port
 from kubesgl.protocol import (
     ABORT,
     HEARTBEAT,
@@ -33,7 +34,7 @@ from kubesgl.protocol import (
 from kubesgl.service.nats_server import NatsServer
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from support.gateway_helpers import GatewayProcess, free_port, wait_http
+from support.gateway_helpers import GatewayProcess, wait_http
 from support.waiting import wait_until_async
 
 MODEL = "fake-model"
