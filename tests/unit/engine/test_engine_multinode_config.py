@@ -28,6 +28,7 @@ def test_each_node_runs_its_consecutive_share_of_the_ranks() -> None:
         ({"tp_size": 4, "nnodes": 3, "dist_init_addr": "h:1"}, "multiple of nnodes"),
         ({"tp_size": 4, "nnodes": 2, "node_rank": 2, "dist_init_addr": "h:1"}, "node_rank"),
         ({"tp_size": 4, "nnodes": 2}, "dist_init_addr"),
+        ({"tp_size": 4, "nnodes": 2, "dist_init_addr": "leader:http"}, "dist_init_addr"),  # no port number
     ],
 )
 def test_bad_multinode_settings_are_refused_before_any_rank_starts(settings: dict, why: str) -> None:
