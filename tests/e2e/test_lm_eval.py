@@ -1,7 +1,12 @@
 """lm-evaluation-harness's `local-completions` model runs a loglikelihood task (tests/data/lm_eval: a tiny
 synthetic JSONL dataset, no download) against the demo stack; every per-document loglikelihood must equal
 the offline engine's prompt logprobs (kubesgl LLM, the same checkpoint) and the one computed directly from
-the checkpoint with transformers.
+the checkpoint with transformers, within float32 rounding of the model's sums (support.numerics).
+
+Not bit for bit: the stack scores each document alone while the offline run scores them in one batch, and the
+CPU BLAS picks its GEMM kernel by the number of rows (one row runs a GEMV; a few rows another blocking, varying
+with the thread count too), so the same logits come out rounded differently. Making that batch-invariant would
+take our own fixed-order GEMMs on every device: not cheap, so the comparison allows the rounding instead.
 
 lm_eval (0.4.13) asks for a loglikelihood with one request per document to /v1/completions:
     {"model": "demo", "prompt": [[<context ids> + <continuation ids>]], "temperature": 0, "max_tokens": 1,
@@ -15,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, TEST_SCHEDULER_ARGS, StackFactory
+from support.numerics import logprob_tolerance
 
 TASKS = REPO / "tests" / "data" / "lm_eval"
 pytestmark = pytest.mark.timeout(600)
@@ -70,8 +76,12 @@ def test_lm_eval_loglikelihood_matches_the_checkpoint(
     offline = _offline_loglikelihoods(demo_model_dir, pairs)
     for s, (ctx_ids, cont_ids), engine in zip(samples, pairs, offline, strict=True):
         served, greedy = s["resps"][0][0]
-        assert served == pytest.approx(engine, abs=1e-5)
-        assert served == pytest.approx(_reference_loglikelihood(demo_model_dir, ctx_ids, cont_ids), abs=1e-3)
+        # A sum of len(cont_ids) logprobs, each within its own rounding tolerance.
+        tol = len(cont_ids) * logprob_tolerance(demo_model_dir, context=len(ctx_ids) + len(cont_ids))
+        assert served == pytest.approx(engine, rel=0, abs=tol)
+        assert served == pytest.approx(
+            _reference_loglikelihood(demo_model_dir, ctx_ids, cont_ids), rel=0, abs=tol
+        )
         assert isinstance(greedy, bool)
     assert out["results"]["kubesgl_synthetic_ll"]["perplexity,none"] > 1
 

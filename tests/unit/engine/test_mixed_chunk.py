@@ -25,6 +25,7 @@ from kubesgl.models.random_init import build_random_model
 from kubesgl.services.scheduler.app import engine_config
 from kubesgl.values.sampling import LogprobOptions
 from support.engine_helpers import assert_greedy_match
+from support.numerics import logprob_tolerance
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
@@ -274,7 +275,9 @@ def test_sampling_in_mixed_decode_rows_equals_the_decode_step(model: str) -> Non
         if b["logprobs"] is not None:
             for x, y in zip(a["logprobs"], b["logprobs"], strict=True):
                 assert x.token_id == y.token_id and [t for t, _ in x.top] == [t for t, _ in y.top]
-                assert x.logprob == pytest.approx(y.logprob, abs=1e-4)
+                # A mixed step is another batch: other GEMM shapes, other rounding (context: >= the longest
+                # prompt, 99 tokens, + 12).
+                assert x.logprob == pytest.approx(y.logprob, rel=0, abs=logprob_tolerance(model, context=111))
 
 
 def test_mixing_under_overlap_scheduling(model: str) -> None:

@@ -11,6 +11,7 @@ import torch
 from kubesgl import LLM, SamplingParams
 from kubesgl.models.random_init import build_random_model
 from kubesgl.values.sampling import LogprobOptions
+from support.numerics import assert_topk_matches, logprob_tolerance
 
 
 @pytest.fixture(scope="module")
@@ -37,14 +38,16 @@ def _reference(model: str, ids: list[int]) -> torch.Tensor:
 
 
 def _assert_matches(model: str, ids: list[int], start: int, entries: list, top: int) -> None:
+    """Our engine and transformers sum in other orders: equal within float32 rounding (support.numerics)."""
     ref = _reference(model, ids)
+    tol = logprob_tolerance(model, context=len(ids))
     assert [e.token_id for e in entries] == ids[start:]
     for pos, e in zip(range(start, len(ids)), entries, strict=True):
         if pos == 0:
             assert e.logprob is None and e.top == ()
             continue
-        assert e.logprob == pytest.approx(float(ref[pos - 1, ids[pos]]), abs=1e-4)
-        assert [t for t, _ in e.top] == ref[pos - 1].topk(top).indices.tolist()
+        assert e.logprob == pytest.approx(float(ref[pos - 1, ids[pos]]), rel=0, abs=tol)
+        assert_topk_matches([t for t, _ in e.top], ref[pos - 1], tol)
 
 
 def test_prompt_logprobs_are_the_models_with_the_first_token_null(model: str) -> None:
@@ -111,6 +114,8 @@ def test_preempted_requests_keep_their_prompt_logprobs(model: str, overlap: bool
     for ids, want, have in zip(prompts, expected, got, strict=True):
         assert [e.token_id for e in have["prompt_logprobs"]] == ids
         assert have["prompt_logprobs"][0].logprob is None
+        tol = logprob_tolerance(model, context=len(ids) + 16)  # other chunks and batches: other rounding
         for w, h in zip(want["prompt_logprobs"][1:], have["prompt_logprobs"][1:], strict=True):
-            assert h.logprob == pytest.approx(w.logprob, abs=1e-4) and h.top[0][0] == w.top[0][0]
+            assert h.logprob == pytest.approx(w.logprob, rel=0, abs=tol)
+            assert h.top[0][0] == w.top[0][0] or abs(h.top[0][1] - w.top[0][1]) <= tol  # a near-tie may swap
         assert have["token_ids"] == want["token_ids"]

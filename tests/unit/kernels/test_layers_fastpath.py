@@ -18,7 +18,8 @@ from kubesgl.layers.activation import SiluAndMul
 from kubesgl.layers.moe import SparseMoeBlock
 from kubesgl.layers.norm import RMSNorm
 from kubesgl.layers.rotary import RotaryEmbedding
-from test_kernels import randn, rel_err
+from support.numerics import reorder_bound
+from test_kernels import BF16_MOE_TOL, BF16_TOL, randn, rel_err
 from transformers.activations import ACT2FN
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
 
@@ -110,7 +111,11 @@ def test_moe_block_matches_per_token_expert_sum() -> None:
         for w, e in zip(weights[t], ids[t], strict=True):
             gate, up = (w13[e] @ x[t]).chunk(2)
             expected[t] += w * (w2[e] @ (torch.nn.functional.silu(gate) * up))
-    torch.testing.assert_close(block(x), expected, rtol=1e-5, atol=1e-6)
+    # A per-token loop against the block's batched GEMMs: other orders of the hidden, intermediate and top_k sums
+    # (norm-wise: an output near zero carries the rounding of its larger terms).
+    assert rel_err(block(x), expected) < reorder_bound(
+        torch.float32, HIDDEN + block.experts.w2.shape[-1] + TOP_K
+    )
 
 
 # --- GPU: Triton path, no host sync, CUDA-graph replay -----------------------------------------------
@@ -126,10 +131,10 @@ def test_gpu_layers_match_torch_references(tokens: int) -> None:
     norm, _ = rms_norm_pair(1024, bf16, "cuda")
     x = randn(tokens, 1024, seed=10, dtype=bf16, device="cuda")
     res = randn(tokens, 1024, seed=11, dtype=bf16, device="cuda")
-    assert rel_err(norm(x), rms_norm_torch(x, norm.weight, 1e-6)) < 1e-2
+    assert rel_err(norm(x), rms_norm_torch(x, norm.weight, 1e-6)) < BF16_TOL
     out, summed = norm(x, res)
     assert torch.equal(summed, x + res)
-    assert rel_err(out, rms_norm_torch(x + res, norm.weight, 1e-6)) < 1e-2
+    assert rel_err(out, rms_norm_torch(x + res, norm.weight, 1e-6)) < BF16_TOL
 
     rope = RotaryEmbedding(head_dim=d, max_position=4096, base=1e6).cuda()
     qkv = randn(tokens, (16 + 4 + 4) * d, seed=12, dtype=bf16, device="cuda")
@@ -138,15 +143,15 @@ def test_gpu_layers_match_torch_references(tokens: int) -> None:
     ref_q, ref_k = hf_rotary(rope, positions, q.clone(), k.clone(), d)
     out_q, out_k = rope(positions, q, k)
     assert out_q.data_ptr() == qkv.data_ptr()
-    assert rel_err(out_q, ref_q) < 1e-2 and rel_err(out_k, ref_k) < 1e-2
+    assert rel_err(out_q, ref_q) < BF16_TOL and rel_err(out_k, ref_k) < BF16_TOL
 
     gate_up = randn(tokens, 2 * 768, seed=13, dtype=bf16, device="cuda")
-    assert rel_err(SiluAndMul()(gate_up), silu_and_mul_torch(gate_up)) < 1e-2
+    assert rel_err(SiluAndMul()(gate_up), silu_and_mul_torch(gate_up)) < BF16_TOL
 
     block, reference = moe_block(bf16, "cuda"), moe_block(bf16, "cuda")
     reference.experts_impl = experts_forward
     xm = randn(tokens, HIDDEN, seed=14, dtype=bf16, device="cuda")
-    assert rel_err(block(xm), reference(xm)) < 2e-2
+    assert rel_err(block(xm), reference(xm)) < BF16_MOE_TOL
 
 
 class LayerStackForGraphTest(torch.nn.Module):
@@ -213,4 +218,5 @@ def test_gpu_decode_layers_have_no_host_sync_and_replay_in_a_cuda_graph() -> Non
         graph.replay()
         eager_out, eager_residual = stack(*fresh)
         assert torch.equal(graph_residual, eager_residual)
+        # The same kernels replayed: bit for bit.
         torch.testing.assert_close(graph_out, eager_out, rtol=0, atol=0)

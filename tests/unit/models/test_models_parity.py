@@ -9,6 +9,7 @@ import torch
 from kubesgl.models.loader import load_model
 from kubesgl.models.random_init import build_random_model
 from support.model_helpers import SingleRequestRunner
+from support.numerics import logits_tolerance
 from transformers import AutoModelForCausalLM
 
 ARCHS = ["qwen3", "qwen2", "llama", "qwen3_moe"]
@@ -32,10 +33,12 @@ def hf_logits(path: Path, token_ids: list[int]) -> torch.Tensor:
         return hf(torch.tensor([token_ids])).logits[0].float()
 
 
-def assert_matches_hf(ours: torch.Tensor, ref: torch.Tensor) -> None:
-    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-4)
+def assert_matches_hf(checkpoint: Path, ours: torch.Tensor, ref: torch.Tensor) -> None:
+    """Equal within float32 rounding of the model's sums (ours and transformers' run other kernels and orders)."""
+    tol = logits_tolerance(checkpoint, context=PROMPT_LEN)
+    torch.testing.assert_close(ours, ref, rtol=0, atol=tol)
     top2 = ref.topk(2, dim=-1).values
-    decisive = (top2[:, 0] - top2[:, 1]) >= 1e-4  # a near-tie may flip on float noise alone
+    decisive = (top2[:, 0] - top2[:, 1]) > 2 * tol  # a near-tie may flip on rounding alone
     assert decisive.any()
     assert torch.equal(ours.argmax(-1)[decisive], ref.argmax(-1)[decisive])
 
@@ -46,7 +49,7 @@ def test_extend_logits_match_hf_at_every_position(checkpoint: Path, page_size: i
     ids = prompt(model.vocab_size)
     ours = SingleRequestRunner(model, page_size).step(ids)
     assert ours.dtype == torch.float32 and ours.shape == (PROMPT_LEN, model.vocab_size)
-    assert_matches_hf(ours, hf_logits(checkpoint, ids))
+    assert_matches_hf(checkpoint, ours, hf_logits(checkpoint, ids))
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -55,7 +58,7 @@ def test_decode_steps_after_prefix_match_hf(checkpoint: Path, page_size: int) ->
     ids = prompt(model.vocab_size, seed=1)
     runner = SingleRequestRunner(model, page_size)
     steps = [runner.step(ids[:PREFIX_LEN])] + [runner.step([t]) for t in ids[PREFIX_LEN:]]
-    assert_matches_hf(torch.cat(steps), hf_logits(checkpoint, ids))
+    assert_matches_hf(checkpoint, torch.cat(steps), hf_logits(checkpoint, ids))
 
 
 def test_chunked_extend_over_cached_prefix_matches_hf(checkpoint: Path) -> None:
@@ -63,4 +66,4 @@ def test_chunked_extend_over_cached_prefix_matches_hf(checkpoint: Path) -> None:
     ids = prompt(model.vocab_size, seed=2)
     runner = SingleRequestRunner(model, page_size=4)
     chunks = [runner.step(ids[:7]), runner.step(ids[7:13]), runner.step(ids[13:])]
-    assert_matches_hf(torch.cat(chunks), hf_logits(checkpoint, ids))
+    assert_matches_hf(checkpoint, torch.cat(chunks), hf_logits(checkpoint, ids))
