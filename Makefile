@@ -32,10 +32,8 @@ up: $(STAMP)
 test: $(STAMP)
 	bash tests/run.sh $(PYTEST_ARGS)
 
-# The unit groups only (tests/layout.toml's unit/*, less `slow`): 672 passed + 81 GPU-only skipped in 110-115 s
-# (pytest's figure, two runs; 115-120 s for the command) on the shared 2-core box with little else running (load
-# average ~1), 167-176 s of CPU (2026-12-03); 148 s with another helper's tests alongside. Before: 142 s idle,
-# 293 s (285 s of CPU) under load ~5.
+# The unit groups only (tests/layout.toml's unit/*, less `slow`), with their 5 slowest tests; pytest's line gives the
+# counts and tests/run.sh the wall time: about 2 minutes on a 2-core machine with little else running.
 test-fast: $(STAMP)
 	bash tests/run.sh --fast $(PYTEST_ARGS)
 

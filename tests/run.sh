@@ -18,17 +18,20 @@ if ((${#missing[@]})); then
 fi
 
 export PATH="$PWD/.venv/bin:$PATH"
-select=()
+# The whole suite prints its 15 slowest tests, so what the run costs is visible in every log (CI's included).
+select=(--durations=15)
 if [ "${1:-}" = --fast ]; then
   shift
   # The unit files wherever they are now (tests/ root until tests/regroup.py has run, tests/unit/ after).
   paths=$(.venv/bin/python tests/regroup.py --paths unit) || exit 1
   mapfile -t unit <<<"$paths"
-  select=(-m "unit and not slow" "${unit[@]}")
+  select=(--durations=5 -m "unit and not slow" "${unit[@]}")
 fi
 # Two workers, one per core; loadfile keeps a module's module-scoped fixtures (a stack, a model) in one worker.
+start=$(date +%s)
 .venv/bin/python -m pytest -n 2 --dist loadfile -q -p no:cacheprovider "${select[@]}" "$@"
 rc=$?
+echo "tests/run.sh: pytest exited $rc after $(($(date +%s) - start)) s on $(nproc) cores (counts: pytest's line above)"
 if [ "$rc" = 5 ]; then
   echo "pytest collected no tests: that is a failure here" >&2
   exit 1
