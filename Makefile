@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install up test test-fast fuzz lint fmt clean loadtest-k6 loadtest-locust
+.PHONY: install up test test-fast test-numerics fuzz lint fmt clean loadtest-k6 loadtest-locust
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -36,6 +36,10 @@ test: $(STAMP)
 # counts and tests/run.sh the wall time: about 2 minutes on a 2-core machine with little else running.
 test-fast: $(STAMP)
 	bash tests/run.sh --fast $(PYTEST_ARGS)
+
+# The float-comparing tests under capped CPU vector widths (ATen, MKL, oneDNN) and 1 or 2 threads, twice each.
+test-numerics: $(STAMP)
+	bash tests/numerics.sh $(PYTEST_ARGS)
 
 # Open-ended fuzzing of a live stack with a fresh seed (printed: `make fuzz SEED=<n>` replays a failure).
 FUZZ_EXAMPLES ?= 5000
