@@ -126,6 +126,56 @@ def memory_bound_seconds(
     return total
 
 
+def gemm_flops(device: str) -> float:
+    """bf16 GEMM rate in FLOP/s (an 8192-cube matmul), measured now: the rate prefill's projections can reach."""
+    import torch
+
+    if device != "cuda":
+        return float("nan")
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    reps = 20
+    t = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    torch.cuda.synchronize()
+    return 2 * n**3 * reps / (time.perf_counter() - t)
+
+
+def prefill_flop_seconds(
+    prompts: list[list[int]], layer_macs_per_token: int, num_layers: int, attn_width: int, rate: float
+) -> float:
+    """Time if prefill only did its multiply-adds at `rate`: each prompt token through every layer's weights
+    (`layer_macs_per_token`, all layers; a MoE's active experts only) plus causal attention (QK and PV over
+    the tokens before it: `attn_width` = query heads x head_dim per layer). The LM head runs on one row per
+    prompt and is left out."""
+    flops = 0
+    for p in prompts:
+        n = len(p)
+        flops += 2 * layer_macs_per_token * n + 2 * 2 * num_layers * attn_width * n * (n + 1) // 2
+    return flops / rate
+
+
+def layer_macs_per_token(model: Any) -> int:
+    """Multiply-adds one token costs in the decoder layers' projections (a MoE counts its top-k experts)."""
+    from kubesgl.models.hf_config import num_experts_of
+
+    config = model.hf_config
+    macs = 0
+    for name, p in model.model.layers.named_parameters():
+        if p.dim() < 2:
+            continue  # norms and biases
+        if name.split(".")[-2:-1] == ["experts"]:  # experts.w13 / experts.w2: top-k of them per token
+            macs += p.numel() * config.num_experts_per_tok // num_experts_of(config)
+        else:
+            macs += p.numel()
+    return macs
+
+
 def json_figures(llm: Any, outs: list[dict[str, Any]], fraction: float) -> dict[str, Any]:
     """How the constrained requests of a --json-fraction run did: finished JSON that validates, and tokens."""
     import jsonschema
@@ -257,6 +307,11 @@ def main(args: argparse.Namespace) -> int:
         if bw == bw
         else float("nan")
     )
+    flops = gemm_flops(args.device)
+    attn = m.model.layers[0].self_attn.attn
+    prefill = prefill_flop_seconds(
+        prompts, layer_macs_per_token(m), m.num_layers, attn.num_heads * attn.head_dim, flops
+    )
     if isinstance(llm.engine.step_hook, StepProfile):
         print(llm.engine.step_hook.report(), flush=True)
     graphs = llm.engine.runner.graphs
@@ -281,6 +336,13 @@ def main(args: argparse.Namespace) -> int:
         "ceiling_seconds": round(ideal, 3),
         "ceiling_tok_s": round(out_tokens / ideal, 1) if ideal == ideal else None,
         "ratio_to_ceiling": round(ideal / dt, 3) if ideal == ideal else None,
+        # The second term: prefill's multiply-adds at the measured bf16 GEMM rate, added to the decode bytes.
+        "gemm_TFLOPs": round(flops / 1e12, 1) if flops == flops else None,
+        "prefill_flop_seconds": round(prefill, 3) if prefill == prefill else None,
+        "ceiling_with_prefill_tok_s": round(out_tokens / (ideal + prefill), 1)
+        if prefill == prefill
+        else None,
+        "ratio_to_ceiling_with_prefill": round((ideal + prefill) / dt, 3) if prefill == prefill else None,
         "preemptions": llm.engine.stats().retracted_total,
         # Steps of the run by kind (the warm-up's excluded) and the decode rows that rode in mixed steps.
         **{f"steps_{kind}": sched.steps[kind] - warm_steps[kind] for kind in ("extend", "mixed", "decode")},
