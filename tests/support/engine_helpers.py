@@ -21,8 +21,9 @@ def hf_greedy(hf_model: torch.nn.Module, prompt: list[int], n: int) -> tuple[lis
     return out, gaps
 
 
-def assert_greedy_match(ours: list[int], ref: list[int], gaps: list[float], tie: float = 1e-4) -> None:
-    """Equal at every step, except that a near-tie in HF's logits ends the comparison (both are right)."""
+def assert_greedy_match(ours: list[int], ref: list[int], gaps: list[float], tie: float) -> None:
+    """Equal at every step, except that a near-tie in HF's logits ends the comparison (both are right). `tie`:
+    the largest top-2 gap that rounding alone can flip, twice a logit's tolerance (support.numerics)."""
     for i, (a, b) in enumerate(zip(ours, ref, strict=False)):
         if gaps[i] < tie:
             return

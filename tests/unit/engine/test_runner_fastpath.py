@@ -22,6 +22,7 @@ from kubesgl.engine.transfer import PinnedStaging
 from kubesgl.models.random_init import build_random_model
 from kubesgl.values.sampling import LogprobOptions
 from support.engine_helpers import assert_greedy_match
+from support.numerics import logits_tolerance
 
 CPU = torch.device("cpu")
 # The Gumbel kernel runs compiled on a CUDA machine and in Triton's interpreter on CPU tensors elsewhere.
@@ -231,9 +232,11 @@ def test_graphs_with_overlap_match_an_eager_engine(gpu_model: str) -> None:
     )
     params = SamplingParams(max_tokens=N_NEW, temperature=0, ignore_eos=True)
     ours = _generate(gpu_model, params, dtype="float32", attn="triton")
+    # float32 in another order (graphs and overlap against eager; TF32 stays off for float32 GEMMs).
+    tie = 2 * logits_tolerance(gpu_model, context=max(map(len, _prompts(24))) + N_NEW)
     for o, r in zip(ours, ref, strict=True):
         gaps = [lp.top[0][1] - lp.top[1][1] for lp in r["logprobs"]]
-        assert_greedy_match(o["token_ids"], r["token_ids"], gaps, tie=1e-3)
+        assert_greedy_match(o["token_ids"], r["token_ids"], gaps, tie)
 
 
 @pytest.mark.gpu
