@@ -136,7 +136,7 @@ def trace_mixed(llm: Any, bs: int, tokens: int, context: int, top: int) -> dict[
 
     def timed_step(top: int) -> tuple[str, float, dict[str, Any]]:
         """One engine step: the kind of step it launched, its device ms (events), its kernels."""
-        before = sched.steps.copy()
+        before = sched.counters.steps.copy()
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -144,7 +144,7 @@ def trace_mixed(llm: Any, bs: int, tokens: int, context: int, top: int) -> dict[
             eng.step()
             end.record()
             torch.cuda.synchronize()
-        (kind,) = (sched.steps - before).keys()
+        (kind,) = (sched.counters.steps - before).keys()
         ms = start.elapsed_time(end)
         head = f"{kind} step ({bs} decoding, {chunk}-token chunk): {ms:.3f} ms (events)"
         return kind, ms, report(prof, 1, head, top) if top else {}

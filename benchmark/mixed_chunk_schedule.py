@@ -55,8 +55,8 @@ def schedule(args: argparse.Namespace, mixed: bool) -> dict[str, object]:
         inflight = launched
     return {
         "mixed_chunk": mixed,
-        **{f"steps_{k}": sched.steps[k] for k in ("extend", "mixed", "decode")},
-        "mixed_decode_rows": sched.mixed_decode_rows,
+        **{f"steps_{k}": sched.counters.steps[k] for k in ("extend", "mixed", "decode")},
+        "mixed_decode_rows": sched.counters.mixed_decode_rows,
         "decode_step_rows": sum(b * n for b, n in decode_rows.items()),
         "decode_steps_at_256": decode_rows[args.max_running_requests],
     }

@@ -236,7 +236,7 @@ def main(args: argparse.Namespace) -> int:
     warm = SamplingParams(max_tokens=8, constraint=schema)
     llm.generate([[1, 2, 3, 4]], warm)  # warm-up (and the schema compiled)
     sched = llm.engine.scheduler
-    warm_steps, warm_rows = sched.steps.copy(), sched.mixed_decode_rows
+    warm_steps, warm_rows = sched.counters.steps.copy(), sched.counters.mixed_decode_rows
     params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n) for n in max_tokens]
     pick = random.Random(1)
     constrained = [i for i in range(len(params)) if schema is not None and pick.random() < args.json_fraction]
@@ -283,8 +283,11 @@ def main(args: argparse.Namespace) -> int:
         "ratio_to_ceiling": round(ideal / dt, 3) if ideal == ideal else None,
         "preemptions": llm.engine.stats().retracted_total,
         # Steps of the run by kind (the warm-up's excluded) and the decode rows that rode in mixed steps.
-        **{f"steps_{kind}": sched.steps[kind] - warm_steps[kind] for kind in ("extend", "mixed", "decode")},
-        "mixed_decode_rows": sched.mixed_decode_rows - warm_rows,
+        **{
+            f"steps_{kind}": sched.counters.steps[kind] - warm_steps[kind]
+            for kind in ("extend", "mixed", "decode")
+        },
+        "mixed_decode_rows": sched.counters.mixed_decode_rows - warm_rows,
     }
     if schema is not None:
         res.update(json_figures(llm, [outs[i] for i in constrained], args.json_fraction))

@@ -313,7 +313,7 @@ class Engine:
         return self.kv_events.drain() if self.kv_events is not None else ([], [])
 
     def stats(self) -> EngineStats:
-        s = self.scheduler
+        s, n = self.scheduler, self.scheduler.counters
         return EngineStats(
             num_running=len(s.running),
             num_queued=len(s.waiting),
@@ -321,10 +321,10 @@ class Engine:
             available_pages=self.pool.num_free + self.cache.evictable_pages,
             total_pages=self.pool.capacity,
             cached_prefix_pages=self.cache.cached_pages,
-            prompt_tokens_total=s.prompt_tokens_total,
-            cached_tokens_total=s.cached_tokens_total,
-            generation_tokens_total=s.generation_tokens_total,
-            retracted_total=s.num_preemptions,
+            prompt_tokens_total=n.prompt_tokens,
+            cached_tokens_total=n.cached_tokens,
+            generation_tokens_total=n.generation_tokens,
+            retracted_total=n.preemptions,
         )
 
     def shutdown(self) -> None:

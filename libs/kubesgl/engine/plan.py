@@ -49,7 +49,7 @@ class BatchPlan:
     extend_lens: list[int]
     tokens: list[int]  # the extend rows' new tokens, concatenated; decode rows' come from the token pool
     sample: list[bool]  # False for a prefill chunk that is not the request's last
-    top_logprobs: list[int]  # per request: -1 no logprobs, else how many alternatives
+    top_logprobs: list[int | None]  # per row: None no logprobs, else how many alternatives
     page_writes: list[tuple[int, int, list[int]]] = field(default_factory=list)  # (slot, first index, pages)
     slot_inits: list[SlotInit] = field(default_factory=list)
     num_decode: int = 0  # extend plans: trailing decode rows (a mixed step); decode plans: unused

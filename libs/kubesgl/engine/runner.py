@@ -78,7 +78,7 @@ class StepResult:
                 out_lps.append(None)
                 continue
             out_tokens.append(toks[j])
-            if chosen is not None and n_top >= 0:
+            if chosen is not None and n_top is not None:
                 top = tuple(zip(top_ids[j][:n_top], top_lp[j][:n_top], strict=True)) if n_top else ()
                 out_lps.append(TokenLogprob(toks[j], chosen[j], top))
             else:
