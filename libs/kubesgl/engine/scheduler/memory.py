@@ -4,7 +4,7 @@ shares at admission and takes back at release, and preemption when memory runs o
 from __future__ import annotations
 
 from kubesgl.engine.plan import BatchPlan, SlotInit
-from kubesgl.engine.request import Req, ReqState
+from kubesgl.engine.request import Req
 from kubesgl.engine.scheduler.limits import SchedulerCounters
 from kubesgl.kv.page_pool import PagePool
 from kubesgl.kv.prefix_cache import PrefixCache
@@ -41,17 +41,10 @@ class Memory:
 
     def admit(self, req: Req, plan: BatchPlan) -> None:
         """Gives the request a slot and the KV of its longest cached prefix."""
-        req.state = ReqState.RUNNING
-        req.slot = self._free_slots.pop()
-        req.prefill_target = req.num_known
-        # A cached prefix has no logits: prompt logprobs still to compute cap the match (SGLang's approach).
-        nxt = req.prompt_logprob_next
-        limit = req.prefill_target - 1 if nxt is None else min(nxt - 1, req.prefill_target - 1)
-        handle, pages = self.cache.match_prefix(req.all_ids[:limit])
-        req.cache_handle, req.pages, req.tree_pages = handle, list(pages), len(pages)
-        req.kv_len = len(pages) * self.pool.page_size
-        if req.cached_tokens < 0:
-            req.cached_tokens = req.kv_len
+        first = req.cached_tokens < 0
+        handle, pages = self.cache.match_prefix(req.all_ids[: req.cacheable_len])
+        req.admit(self._free_slots.pop(), handle, pages, self.pool.page_size)
+        if first:
             self.counters.prompt_tokens += len(req.input_ids)
             self.counters.cached_tokens += req.kv_len
         if pages:
@@ -66,8 +59,7 @@ class Memory:
         self.running.remove(req)
         self.cache.release(req.cache_handle)
         self._free_slots.append(req.slot)
-        req.slot, req.pages, req.tree_pages, req.cache_handle, req.kv_len = -1, [], 0, None, 0
-        req.state = ReqState.WAITING
+        req.release()
 
     def grow(self, req: Req, n: int, plan: BatchPlan) -> None:
         """Allocates `n` more pages to the request (room was made)."""
@@ -83,13 +75,12 @@ class Memory:
         self.pool.free(req.pages[req.tree_pages :])
         self._free_slots.append(req.slot)
         self.running.remove(req)
-        req.slot, req.pages, req.tree_pages, req.cache_handle, req.kv_len = -1, [], 0, None, 0
+        req.release()
 
     def preempt(self, req: Req) -> None:
         """Releases a running request's memory; it waits again (the caller queues it)."""
         self.counters.preemptions += 1
         self.release(req)
-        req.state = ReqState.WAITING
 
     def cache_prefix(self, req: Req, num_tokens: int) -> None:
         """Puts the full pages of the request's first `num_tokens` tokens in the prefix cache; the request
@@ -97,11 +88,8 @@ class Memory:
         n_full = num_tokens // self.pool.page_size
         handle, canon = self.cache.insert(req.all_ids[: n_full * self.pool.page_size], req.pages[:n_full])
         self.cache.release(req.cache_handle)
-        req.cache_handle = handle
-        if canon != req.pages[: len(canon)]:
-            req.pages[: len(canon)] = canon
+        if req.hold_cached_prefix(handle, canon):
             self._pending_page_writes.append((req, req.slot, 0, list(canon)))
-        req.tree_pages = len(canon)
 
     def take_page_writes(self) -> list[tuple[int, int, list[int]]]:
         """The page-table writes `cache_prefix` left for the next plan, of requests still in their slot."""

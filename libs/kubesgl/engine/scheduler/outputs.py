@@ -44,10 +44,7 @@ class Outputs:
         """Ends the request (its memory goes back); its output goes with the next `process` or `drain`."""
         if req.state is ReqState.RUNNING:
             self.memory.release(req)
-        req.state = ReqState.FINISHED
-        req.finish_reason = reason
-        # The matcher goes (a shared compile keeps running for others).
-        req.grammar = req.grammar_future = None
+        req.finish(reason)
         self._finished_unreported.append(req)
 
     def process(self, plan: BatchPlan, reqs: list[Req], out: StepTokens) -> list[RequestOutput]:
