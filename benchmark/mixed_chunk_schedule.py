@@ -15,7 +15,8 @@ import json
 from collections import Counter
 
 from kubesgl.bench.offline import add_arguments, make_workload
-from kubesgl.engine.scheduler import Scheduler, SchedulerLimits, StepTokens
+from kubesgl.engine.plan import StepTokens
+from kubesgl.engine.scheduler import Scheduler, SchedulerLimits
 from kubesgl.kv.page_pool import PagePool
 from kubesgl.kv.radix import RadixCache
 from kubesgl.values.sampling import SamplingParams

@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Generic, NamedTuple, TypeVar
 
 import numpy as np
 import torch
@@ -23,9 +24,8 @@ from kubesgl.attention.registry import create_backend
 from kubesgl.distributed import TPGroup
 from kubesgl.engine.config import EngineConfig
 from kubesgl.engine.cuda_graph import DecodeGraphs, auto_max_bs
-from kubesgl.engine.plan import BatchPlan
+from kubesgl.engine.plan import BatchPlan, StepTokens
 from kubesgl.engine.sampler import Sampler
-from kubesgl.engine.scheduler import StepTokens
 from kubesgl.engine.transfer import PinnedStaging, to_device
 from kubesgl.kv.kv_cache import KVCache
 from kubesgl.layers.forward import ForwardBatch
@@ -35,6 +35,7 @@ from kubesgl.values.outputs import TokenLogprob
 
 log = logging.getLogger(__name__)
 
+_T = TypeVar("_T", np.ndarray, torch.Tensor)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -115,7 +116,7 @@ class PromptLogprobs:
         )
         targets = [t for r in rows for t in r.targets]
         io = to_device([*index.tolist(), *targets], torch.int64, hidden.device)
-        index_t, targets_t = io[: len(targets)], io[len(targets) :]
+        index_t, targets_t = io.view(2, -1)
         n_top = max(r.top for r in rows)
         chosen, top_ids, top_lp = [], [], []
         for a in range(0, len(targets), _PROMPT_LOGITS_ROWS):
@@ -155,6 +156,26 @@ class PromptLogprobs:
                 j += 1
             out[r.row] = entries
         return out
+
+
+class EagerInputs(NamedTuple, Generic[_T]):
+    """An eager step's inputs: int64 arrays on the host, then (`upload`) tensors on the device."""
+
+    token_slots: _T  # [T] the slot of each new token
+    positions: _T  # [T] its position
+    tokens: _T  # [extend tokens] the extend rows' tokens (a mixed step's decode rows read the token pool)
+    slots: _T  # [B] per row
+    seq_lens: _T  # [B]
+    sample_index: _T  # [K] per sampled row: its last token's index among the T
+    sample_slots: _T  # [K]
+    sample_seq_lens: _T  # [K]
+    page_cells: _T  # the plan's page-table writes (`_page_cells`)
+
+    @classmethod
+    def upload(cls, staging: PinnedStaging, host: EagerInputs[np.ndarray]) -> EagerInputs[torch.Tensor]:
+        """All of them in one host-to-device copy, split back into their parts (views)."""
+        packed = staging.upload(np.concatenate(host))
+        return cls._make(torch.split(packed, [len(a) for a in host]))
 
 
 @dataclass
@@ -295,7 +316,6 @@ class ModelRunner:
         """Any batch, op by op: extend (prefill chunks, with decode rows riding along in a mixed step), decode
         without graphs, or larger than the largest graph."""
         ps = self.page_size
-        b = len(plan.slots)
         slots = np.asarray(plan.slots, dtype=np.int64)
         prefix = np.asarray(plan.prefix_lens, dtype=np.int64)
         ext = np.asarray(plan.extend_lens, dtype=np.int64)
@@ -303,34 +323,28 @@ class ModelRunner:
         ends = np.cumsum(ext)
         t, n_tok = int(ends[-1]), len(plan.tokens)
         pick = np.flatnonzero(plan.sample)
-        k = len(pick)
-        # Each new token's slot and position, by numpy: as a Python loop over an 8k-token step they cost the host
-        # ~2.4 ms per step (on a 2-core CI machine), a step that is close to host-bound already.
-        rows = np.repeat(slots, ext)
+        # Each new token's slot and position by numpy, not a Python loop: an 8k-token step is close to host-bound.
         pos = np.arange(t, dtype=np.int64) + np.repeat(prefix - (ends - ext), ext)
-        packed = np.concatenate(
-            [
-                rows,
-                pos,
-                np.asarray(plan.tokens, dtype=np.int64),
-                slots,
-                seq,
-                ends[pick] - 1,
-                slots[pick],
-                seq[pick],
-                np.asarray(_page_cells(plan.page_writes), dtype=np.int64),
-            ]
+        inputs = EagerInputs.upload(
+            self.staging,
+            EagerInputs(
+                token_slots=np.repeat(slots, ext),
+                positions=pos,
+                tokens=np.asarray(plan.tokens, dtype=np.int64),
+                slots=slots,
+                seq_lens=seq,
+                sample_index=ends[pick] - 1,
+                sample_slots=slots[pick],
+                sample_seq_lens=seq[pick],
+                page_cells=np.asarray(_page_cells(plan.page_writes), dtype=np.int64),
+            ),
         )
-        io = self.staging.upload(packed)
-        rows_t, positions = io[:t], io[t : 2 * t]
-        off = 2 * t + n_tok
-        slots_t, seq_lens_t = io[off : off + b], io[off + b : off + 2 * b]
-        last, s_slots, s_lens = io[off + 2 * b : off + 2 * b + 3 * k].view(3, k)
-        self._write_page_table(io[off + 2 * b + 3 * k :])
+        rows_t, positions = inputs.token_slots, inputs.positions
+        self._write_page_table(inputs.page_cells)
         if plan.mode == "extend":
             # The extend rows' tokens come from the host; a mixed step's decode rows (the last t - n_tok tokens)
             # read theirs from the token pool, where the step before sampled them.
-            input_ids = io[2 * t : off]
+            input_ids = inputs.tokens
             self.token_pool[rows_t[:n_tok], positions[:n_tok]] = input_ids
             if n_tok < t:
                 input_ids = torch.cat([input_ids, self.token_pool[rows_t[n_tok:], positions[n_tok:]]])
@@ -344,8 +358,8 @@ class ModelRunner:
             seq_lens=seq_lens,
             extend_lens=plan.extend_lens,
             prefix_lens=plan.prefix_lens,
-            page_table=self.page_table[slots_t],
-            seq_lens_dev=seq_lens_t.to(torch.int32),
+            page_table=self.page_table[inputs.slots],
+            seq_lens_dev=inputs.seq_lens.to(torch.int32),
         )
         self.attn.plan(meta)
         hidden = self.model.forward(
@@ -356,10 +370,11 @@ class ModelRunner:
             if plan.prompt_logprobs
             else None
         )
-        if k == 0:
+        if len(pick) == 0:
             none = torch.empty(0, dtype=torch.int64, device=self.device)
             return self._result(plan, none, None, None, None, prompt)
-        return self._sample(plan, self.model.compute_logits(hidden[last]).float(), s_slots, s_lens, prompt)
+        logits = self.model.compute_logits(hidden[inputs.sample_index]).float()
+        return self._sample(plan, logits, inputs.sample_slots, inputs.sample_seq_lens, prompt)
 
     def _sample(
         self,
@@ -421,9 +436,9 @@ class ModelRunner:
 
     def _write_page_table(self, cells: torch.Tensor) -> None:
         """cells: [rows..., cols..., values...] from `_page_cells`, on the device."""
-        k = cells.shape[0] // 3
-        if k:
-            self.page_table[cells[:k], cells[k : 2 * k]] = cells[2 * k :].to(torch.int32)
+        if cells.numel():
+            rows, cols, pages = cells.view(3, -1)
+            self.page_table[rows, cols] = pages.to(torch.int32)
 
 
 def _page_cells(writes: list[tuple[int, int, list[int]]]) -> list[int]:

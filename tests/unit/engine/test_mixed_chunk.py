@@ -17,8 +17,8 @@ import pytest
 import torch
 from kubesgl import LLM, SamplingParams
 from kubesgl.cli import build_parser
-from kubesgl.engine.plan import BatchPlan
-from kubesgl.engine.scheduler import Scheduler, SchedulerLimits, StepTokens
+from kubesgl.engine.plan import BatchPlan, StepTokens
+from kubesgl.engine.scheduler import Scheduler, SchedulerLimits
 from kubesgl.kv.page_pool import PagePool
 from kubesgl.kv.radix import RadixCache
 from kubesgl.models.random_init import build_random_model

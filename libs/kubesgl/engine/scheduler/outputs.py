@@ -4,26 +4,16 @@ and what each request reports."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 
-from kubesgl.engine.plan import BatchPlan
+from kubesgl.engine.plan import BatchPlan, StepTokens
 from kubesgl.engine.request import Req, ReqState
 from kubesgl.engine.scheduler.limits import SchedulerCounters, SchedulerLimits
 from kubesgl.engine.scheduler.memory import Memory
 from kubesgl.errors import KubesglError
 from kubesgl.structured.matcher import GrammarRejectedToken
-from kubesgl.values.outputs import FinishReason, RequestOutput, TokenLogprob
+from kubesgl.values.outputs import FinishReason, RequestOutput
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class StepTokens:
-    """What the host reads back after a step: per request of the plan, the sampled token (or -1)."""
-
-    tokens: list[int]
-    logprobs: list[TokenLogprob | None]
-    prompt_logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)  # by plan row
 
 
 class Outputs:

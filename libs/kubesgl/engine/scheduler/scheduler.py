@@ -7,12 +7,12 @@ from collections import deque
 from concurrent.futures import Future
 
 from kubesgl.engine.grammar import EngineGrammars
-from kubesgl.engine.plan import BatchPlan
+from kubesgl.engine.plan import BatchPlan, StepTokens
 from kubesgl.engine.request import Req, ReqState
 from kubesgl.engine.scheduler.admission import Admission
 from kubesgl.engine.scheduler.limits import SchedulerCounters, SchedulerLimits
 from kubesgl.engine.scheduler.memory import Memory
-from kubesgl.engine.scheduler.outputs import Outputs, StepTokens
+from kubesgl.engine.scheduler.outputs import Outputs
 from kubesgl.engine.scheduler.planner import Planner, Scheduled, grammar_states
 from kubesgl.kv.page_pool import PagePool
 from kubesgl.kv.prefix_cache import PrefixCache
