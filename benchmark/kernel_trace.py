@@ -209,7 +209,6 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="Qwen3-0.6B")
     p.add_argument("--attn", default="auto")
-    p.add_argument("--linear-backend", default="torch", choices=["torch", "triton", "auto"])
     p.add_argument("--batch-sizes", default="1,64,256")
     p.add_argument("--context", type=int, default=800)
     p.add_argument("--steps", type=int, default=20)
@@ -242,7 +241,6 @@ def main() -> int:
         # A mixed trace holds its decoders plus the chunk's requests.
         max_running_requests=max(sizes + [b + chunk_tokens // args.context + 2 for b in mixed_sizes]),
         cuda_graph_max_bs=args.cuda_graph_max_bs,
-        linear_backend=args.linear_backend,
         page_size=args.page_size,
     )
     print(f"attention backend: {type(llm.engine.runner.attn).__name__}", flush=True)

@@ -37,9 +37,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attn", default="auto")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--cuda-graph-max-bs", type=int, default=None)
-    p.add_argument(
-        "--linear-backend", default="torch", choices=["torch", "triton", "auto"], help="decode-batch GEMVs"
-    )
     p.add_argument("--disable-overlap", action="store_true")
     p.add_argument(
         "--enable-mixed-chunk",
@@ -221,7 +218,6 @@ def main(args: argparse.Namespace) -> int:
         attn=args.attn,
         page_size=args.page_size,
         cuda_graph_max_bs=args.cuda_graph_max_bs,
-        linear_backend=args.linear_backend,
         disable_overlap=args.disable_overlap,
         enable_mixed_chunk=args.enable_mixed_chunk,
         dummy_weight=dummy,
@@ -264,7 +260,6 @@ def main(args: argparse.Namespace) -> int:
         "model": args.model,
         "attn": type(llm.engine.runner.attn).__name__,
         "attn_spec": args.attn,
-        "linear_backend": args.linear_backend,
         "overlap": llm.engine.overlap,
         "mixed_chunk": args.enable_mixed_chunk,
         "max_prefill_length": args.max_prefill_length,

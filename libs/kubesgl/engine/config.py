@@ -23,7 +23,6 @@ class EngineConfig:
     max_seq_len_override: int | None = None
     attn: str = "auto"  # "torch" | "triton" | "flashinfer" | "fa3" | "prefill,decode" | "auto"
     cuda_graph_max_bs: int | None = None  # None = auto, 0 = off
-    linear_backend: str = "torch"  # "torch" | "triton" | "auto": decode-batch GEMVs (kernels/gemv.py)
     disable_overlap: bool = False
     # SGLang's --enable-mixed-chunk: a prefill step also carries the decode batch (one token per request, counted
     # against max_prefill_tokens), so decoding requests advance while prompts are prefilled. The step is eager:

@@ -205,7 +205,6 @@ class ModelRunner:
             dummy=config.dummy_weight,
         )
         self.load_weights_s = time.perf_counter() - started  # sglang:engine_load_weights_time
-        self.model.set_linear_backend(config.linear_backend)
         m = self.model
         self.context_len = config.max_seq_len_override or m.context_len
         self.page_size = config.page_size
