@@ -15,7 +15,8 @@ import torch.multiprocessing as mp
 
 from kubesgl.distributed import TPGroup
 from kubesgl.engine.config import EngineConfig
-from kubesgl.engine.runner import ModelRunner, PendingSample
+from kubesgl.engine.runner import ModelRunner
+from kubesgl.engine.step_result import PendingSample
 from kubesgl.errors import InvalidRequestError
 
 if TYPE_CHECKING:

@@ -22,9 +22,10 @@ from kubesgl.engine.distributed import check_ranks, init_tp, local_ranks, rank0_
 from kubesgl.engine.grammar import EngineGrammars, has_tokenizer
 from kubesgl.engine.plan import BatchPlan
 from kubesgl.engine.request import Req
-from kubesgl.engine.runner import ModelRunner, PendingSample, StepResult
+from kubesgl.engine.runner import ModelRunner
 from kubesgl.engine.scheduler import Scheduler, SchedulerLimits
 from kubesgl.engine.step_profile import StepHook, StepProfile
+from kubesgl.engine.step_result import PendingSample, StepResult
 from kubesgl.errors import InvalidRequestError
 from kubesgl.kv.kv_events import KVEvents
 from kubesgl.kv.page_pool import PagePool
