@@ -46,24 +46,20 @@ case "$mode" in
     timeout 90 $B --model Qwen3-0.6B --attn triton | tail -1
     timeout 90 $B --model Qwen3-0.6B --cuda-graph-max-bs 0 | tail -1
     ;;
-  bench)  # kernel microbenchmarks (GEMV vs cuBLAS, planned decode attention), the new kernels' GPU tests; table last
+  bench)  # kernel microbenchmarks (projection latency, planned decode attention), the new kernels' GPU tests; table last
     K="python3 benchmark/kernel_bench.py --json $OUT/kb.jsonl"
     timeout 30 $K --part copy 2>&1 | grep -v Warn | tail -2
-    timeout 280 $K --part gemv 2>&1 | grep -v Warn > "$OUT/kb_gemv.txt"; tail -2 "$OUT/kb_gemv.txt"
     timeout 120 $K --part attn 2>&1 | grep -v Warn > "$OUT/kb_attn.txt"; tail -2 "$OUT/kb_attn.txt"
-    timeout 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/kernels/test_gemv.py tests/unit/kernels/test_attention_backends.py \
-      -k "gemv or planned or triton" 2>&1 | tail -4 | tee "$OUT/gpu_tests.txt"
+    timeout 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/kernels/test_attention_backends.py \
+      -k "planned or triton" 2>&1 | tail -4 | tee "$OUT/gpu_tests.txt"
     python3 benchmark/kernel_bench.py --summary "$OUT/kb.jsonl" | tee "$OUT/kb_summary.txt"
     ;;
   e2e)  # end to end: the new levers on the offline benchmark against the same call's FlashInfer baseline
-    timeout 90 python3 benchmark/kernel_bench.py --part tune 2>&1 | grep -v Warn | tail -2  # GEMV compile + tune cache
-    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/unit/engine/test_gpu_parity.py -k "triton or gemv" 2>&1 | tail -4 \
+    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/unit/engine/test_gpu_parity.py -k "triton" 2>&1 | tail -4 \
       | tee "$OUT/gpu_parity.txt"
     P="env KUBESGL_STEP_PROFILE=1 timeout 80 $B --model Qwen3-0.6B"
     $P --attn flashinfer 2>&1 | tail -1
-    $P --attn flashinfer,triton-planned 2>&1 | tail -1
-    $P --attn flashinfer --linear-backend triton 2>&1 | tail -1
-    $P --attn flashinfer,triton-planned --linear-backend triton 2>&1 | tail -14 | tee "$OUT/p_levers.txt"
+    $P --attn flashinfer,triton-planned 2>&1 | tail -14 | tee "$OUT/p_levers.txt"
     ;;
   tests)  # every GPU test (skipped on CPU), bounded
     timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu --continue-on-collection-errors -rfE tests/ \

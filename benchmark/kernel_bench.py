@@ -1,19 +1,10 @@
-"""Kernel microbenchmarks for the decode levers on Qwen3-0.6B shapes: the Triton GEMV vs cuBLAS, and the planned
-Triton decode attention vs the split one and FlashInfer. Prints one summary table last.
+"""Kernel microbenchmarks for the decode levers on Qwen3-0.6B shapes: what a step's small projections cost, and
+the planned Triton decode attention vs the split one and FlashInfer. Prints one summary table last.
 
-    python benchmark/kernel_bench.py --part copy|gemv|attn --json $OUT/kb.jsonl   # one part per process
+    python benchmark/kernel_bench.py --part copy|latency|attn --json $OUT/kb.jsonl   # one part per process
     python benchmark/kernel_bench.py --summary $OUT/kb.jsonl                       # the table, from the rows
 
 copy: device-to-device copy bandwidth (read + write), the ceiling the other rows are read against.
-tune: compiles every GEMV tiling the engine tries (several processes at once) and autotunes its calls at
-  decode batch sizes, into Triton's cache dir (run before `--linear-backend triton` engines on a fresh machine).
-gemv: for each projection (qkv 1024->4096, o 2048->1024, gate_up 1024->6144, down 3072->1024, lm_head
-  1024->151936) and M in 1, 8, 32, 64, 128, 256: F.linear (cuBLAS) and the autotuned Triton GEMV, plain and
-  with the prologue the engine fuses (qkv, gate_up: residual add + RMSNorm, against fused_add_rms_norm +
-  F.linear; down: SiLU-and-mul, against silu_and_mul + F.linear). Each timing is a CUDA graph of one call
-  per copy of the weight, enough copies to exceed 200 MB (the 50 MB L2 never holds them), median of replays;
-  TB/s counts the weight and activation bytes. Every variant is checked against F.linear on random data
-  (rel err < 1e-2). Then a whole decoder layer's four projections both ways, over 8 layers of weights.
 latency: what a decode step's small kernels cost beyond their bytes. A chain of 1,000 one-element kernels in a
   graph (the per-kernel boundary: drain, launch, ramp); each projection at M 1-256 with its weight cold (rotating
   copies > 200 MB) and hot (one weight, L2-resident), under cuBLAS and cuBLASLt
@@ -100,208 +91,19 @@ def part_copy(path: str | None) -> None:
     emit({"part": "copy", "device": torch.cuda.get_device_name(), "TBps": copy_bandwidth()}, path)
 
 
-# --- gemv ---------------------------------------------------------------------------------------------
-
-
-def precompile(workers: int) -> None:
-    """Fills Triton's cache with every GEMV kernel the benchmark (and then the engine) will try, from
-    `workers` processes at once: compiled one after another in the autotuner, ~130 kernels take minutes.
-    Each distinct (prologue, tiling) is compiled once, on one of the calls that will try it (the kernel is the
-    same for every shape: N, K and strides are all multiples of 16)."""
-    from concurrent.futures import ProcessPoolExecutor
-    from multiprocessing import get_context
-
-    from kubesgl.kernels.gemv_triton import candidate_configs
-
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    kernels: dict[tuple[str, object], tuple[str, int, str]] = {}
-    for name, (n, k) in SHAPES.items():
-        for m in ROWS:
-            for variant in _variants(name):
-                for c in candidate_configs(m, n, k, sms):
-                    kernels.setdefault((variant, c), (name, m, variant))
-    jobs = [(*call, cfg) for (_, cfg), call in kernels.items()]
-    t0 = time.time()
-    try:
-        with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
-            compiled = sum(pool.map(_compile_job, [jobs[i::workers] for i in range(workers)]))
-    except Exception as e:  # the autotuner then compiles what is missing itself, one kernel at a time
-        print(f"precompile FAILED ({type(e).__name__}: {e}); going on without it", flush=True)
-        return
-    print(f"precompiled {compiled} kernels in {time.time() - t0:.0f} s ({workers} processes)", flush=True)
-
-
-def _variants(name: str) -> list[str]:
-    """The calls the benchmark and the engine make ("norm0": the first layer's, with no residual yet)."""
-    return {"qkv": ["plain", "norm", "norm0"], "gate_up": ["plain", "norm"], "down": ["plain", "silu"]}.get(
-        name, ["plain"]
-    )
-
-
-def _call_args(name: str, m: int, variant: str) -> tuple[tuple[torch.Tensor, ...], dict[str, Any]]:
-    """Random arguments of one GEMV call of the engine's: (x, weight), and the prologue keywords."""
-    from kubesgl.kernels.gemv_triton import PROLOGUE_RMSNORM, PROLOGUE_SILU_MUL
-
-    n, k = SHAPES[name]
-    w = torch.randn((n, k), dtype=BF16, device="cuda") * k**-0.5
-    if variant == "silu":
-        return (torch.randn((m, 2 * k), dtype=BF16, device="cuda"), w), {"prologue": PROLOGUE_SILU_MUL}
-    x = torch.randn((m, k), dtype=BF16, device="cuda")
-    if variant == "plain":
-        return (x, w), {}
-    kw = {"prologue": PROLOGUE_RMSNORM, "norm_weight": torch.ones(k, dtype=BF16, device="cuda")}
-    return (x, w), kw | ({"residual": torch.randn_like(x)} if variant == "norm" else {})
-
-
-def _compile_job(jobs: list[tuple[str, int, str, Any]]) -> int:
-    from kubesgl.kernels.gemv_triton import compile_configs
-
-    for name, m, variant, config in jobs:
-        args, kw = _call_args(name, m, variant)
-        compile_configs(*args, **kw, configs=[config])
-    return len(jobs)
-
-
-def part_tune(workers: int) -> None:
-    """Compiles in parallel, then autotunes every GEMV call the engine makes at decode batch sizes: both land in
-    Triton's cache dir, so engines started later on this machine neither compile nor time them again."""
-    from kubesgl.kernels.gemv_triton import gemv
-
-    precompile(workers)
-    t0 = time.time()
-    for name in SHAPES:
-        for m in ROWS:
-            for variant in _variants(name):
-                args, kw = _call_args(name, m, variant)
-                gemv(*args, **kw, eps=EPS)
-    torch.cuda.synchronize()
-    print(f"autotuned {len(SHAPES)} shapes x {len(ROWS)} batch sizes in {time.time() - t0:.0f} s", flush=True)
-
-
-def part_gemv(path: str | None, workers: int) -> None:
-    part_tune(workers)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-
-    def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
-        return (torch.randn(shape, generator=gen, device="cuda", dtype=torch.float32) * scale).to(BF16)
-
-    for name, (n, k) in SHAPES.items():
-        copies = max(1, math.ceil(200e6 / (n * k * 2)))
-        weights = [rand(n, k, scale=k**-0.5) for _ in range(copies)]
-        nw = 1 + 0.1 * rand(k)
-        for m in ROWS:
-            t0 = time.time()
-            bench_shape(name, m, weights, nw, rand(m, k), rand(m, k), rand(m, 2 * k), path)
-            print(f"  ({name} m={m}: {time.time() - t0:.1f} s)", flush=True)
-        weights.clear()
-        torch.cuda.empty_cache()
-    gemv_layers(path, rand)
-
-
-def bench_shape(
-    name: str,
-    m: int,
-    weights: list[torch.Tensor],
-    nw: torch.Tensor,
-    x: torch.Tensor,
-    res: torch.Tensor,
-    gate_up: torch.Tensor,
-    path: str | None,
-) -> None:
-    """One projection at one batch size: every variant checked against F.linear, then timed over the copies."""
-    from kubesgl.kernels.activation import silu_and_mul
-    from kubesgl.kernels.gemv_triton import (
-        PROLOGUE_NONE,
-        PROLOGUE_RMSNORM,
-        PROLOGUE_SILU_MUL,
-        gemv,
-        tuned_config,
-    )
-    from kubesgl.kernels.norm import fused_add_rms_norm
-
-    n, k = SHAPES[name]
-
-    def unfused_norm(w: torch.Tensor) -> torch.Tensor:
-        return F.linear(fused_add_rms_norm(x, res, nw, EPS)[0], w)
-
-    def fused_norm(w: torch.Tensor) -> torch.Tensor:
-        return gemv(x, w, prologue=PROLOGUE_RMSNORM, residual=res, norm_weight=nw, eps=EPS)[0]
-
-    def unfused_silu(w: torch.Tensor) -> torch.Tensor:
-        return F.linear(silu_and_mul(gate_up), w)
-
-    def fused_silu(w: torch.Tensor) -> torch.Tensor:
-        return gemv(gate_up, w, prologue=PROLOGUE_SILU_MUL)[0]
-
-    act_bytes = m * (k + n) * 2
-    cases: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], str, int]] = {
-        "cublas": (lambda w: F.linear(x, w), "plain", act_bytes),
-        "triton": (lambda w: gemv(x, w)[0], "plain", act_bytes),
-    }
-    if name in ("qkv", "gate_up"):  # + the residual read and the new residual written
-        cases["cublas+norm"] = (unfused_norm, "norm", act_bytes + 2 * m * k * 2)
-        cases["triton+norm"] = (fused_norm, "norm", act_bytes + 2 * m * k * 2)
-    if name == "down":  # + the up half of the input
-        cases["cublas+silu"] = (unfused_silu, "silu", act_bytes + m * k * 2)
-        cases["triton+silu"] = (fused_silu, "silu", act_bytes + m * k * 2)
-    refs = {
-        "plain": F.linear(x, weights[0]),
-        "norm": unfused_norm(weights[0]),
-        "silu": unfused_silu(weights[0]),
-    }
-    prologues = {"plain": PROLOGUE_NONE, "norm": PROLOGUE_RMSNORM, "silu": PROLOGUE_SILU_MUL}
-    for variant, (call, kind, nbytes) in cases.items():
-        try:
-            err = rel_err(call(weights[0]), refs[kind])
-            sec = graph_seconds(lambda call=call: [call(w) for w in weights], len(weights))
-        except Exception as e:  # one failing variant must not hide the others
-            print(f"gemv {name} m={m} {variant}: FAILED {type(e).__name__}: {e}", flush=True)
-            continue
-        row = {"part": "gemv", "shape": name, "m": m, "variant": variant, "us": sec * 1e6,
-               "TBps": (n * k * 2 + nbytes) / sec / 1e12, "rel_err": err, "ok": err < 1e-2}  # fmt: skip
-        if variant.startswith("triton"):
-            c = tuned_config(m, n, k, prologues[kind], kind == "norm", False)
-            row["config"] = (
-                f"{c.block_m}x{c.block_n}x{c.block_k} k{c.split_k} w{c.num_warps} s{c.num_stages}"
-                if c
-                else "?"
-            )
-        emit(row, path)
-
-
-def gemv_layers(path: str | None, rand: Callable[..., torch.Tensor]) -> None:
-    """A decoder layer's projections, unfused (norm kernels + cuBLAS) vs fused (Triton GEMV prologues), over 8
-    layers of weights in one graph; per layer."""
-    hidden, layers = 1024, 8
-    ws = [
-        {name: rand(*SHAPES[name], scale=SHAPES[name][1] ** -0.5) for name in ("qkv", "o", "gate_up", "down")}
-        for _ in range(layers)
-    ]
-    nw = 1 + 0.1 * rand(hidden)
-    weight_bytes = sum(w.numel() * 2 for w in ws[0].values())
-    for m in ROWS:
-        unfused, fused = layer_stacks(ws, nw, rand(m, hidden), rand(m, hidden), rand(m, 2048))
-        err = rel_err(fused(), unfused())
-        for variant, fn in (("unfused", unfused), ("fused", fused)):
-            sec = graph_seconds(fn, layers)
-            emit({"part": "layer", "m": m, "variant": variant, "us": sec * 1e6, "TBps": weight_bytes / sec / 1e12,
-                  "rel_err": err, "ok": err < 2e-2}, path)  # fmt: skip
-
-
-def layer_stacks(
+def layer_projections(
     ws: list[dict[str, torch.Tensor]],
     nw: torch.Tensor,
     h0: torch.Tensor,
     r0: torch.Tensor,
     attn_out: torch.Tensor,
-) -> tuple[Callable[[], torch.Tensor], Callable[[], torch.Tensor]]:
-    """The projections of len(ws) decoder layers as the engine runs them today and on the fused GEMV path
-    (attention left out: `attn_out` stands in for its output)."""
+) -> Callable[[], torch.Tensor]:
+    """The projections of len(ws) decoder layers as the engine runs them (norm kernels + cuBLAS; attention
+    left out: `attn_out` stands in for its output)."""
     from kubesgl.kernels.activation import silu_and_mul
-    from kubesgl.kernels.gemv_triton import PROLOGUE_RMSNORM, PROLOGUE_SILU_MUL, gemv
     from kubesgl.kernels.norm import fused_add_rms_norm
 
-    def unfused() -> torch.Tensor:
+    def run() -> torch.Tensor:
         h, r = h0, r0
         for w in ws:
             normed, r = fused_add_rms_norm(h, r, nw, EPS)
@@ -311,16 +113,7 @@ def layer_stacks(
             h = F.linear(silu_and_mul(F.linear(normed, w["gate_up"])), w["down"])
         return h
 
-    def fused() -> torch.Tensor:
-        h, r = h0, r0
-        for w in ws:
-            _, r = gemv(h, w["qkv"], prologue=PROLOGUE_RMSNORM, residual=r, norm_weight=nw, eps=EPS)
-            o = gemv(attn_out, w["o"])[0]
-            gate_up, r = gemv(o, w["gate_up"], prologue=PROLOGUE_RMSNORM, residual=r, norm_weight=nw, eps=EPS)
-            h = gemv(gate_up, w["down"], prologue=PROLOGUE_SILU_MUL)[0]
-        return h
-
-    return unfused, fused
+    return run
 
 
 # --- latency ------------------------------------------------------------------------------------------
@@ -361,7 +154,7 @@ def part_latency(path: str | None) -> None:
     ]
     nw = 1 + 0.1 * rand(1024)
     for m in ROWS:
-        unfused, _ = layer_stacks(ws, nw, rand(m, 1024), rand(m, 1024), rand(m, 2048))
+        projections = layer_projections(ws, nw, rand(m, 1024), rand(m, 1024), rand(m, 2048))
         for lib in libraries:
             torch.backends.cuda.preferred_blas_library(lib)
             emit(
@@ -370,7 +163,7 @@ def part_latency(path: str | None) -> None:
                     "what": "layer",
                     "m": m,
                     "blas": lib,
-                    "us": graph_seconds(unfused, 8) * 1e6,
+                    "us": graph_seconds(projections, 8) * 1e6,
                 },
                 path,
             )
@@ -446,23 +239,6 @@ def summary(path: str) -> None:
     print(
         f"\n==== kernel_bench summary (copy bandwidth {copy:.2f} TB/s; {len(bad)} rows failed their check) ===="
     )
-    gemv = {(r["shape"], r["m"], r["variant"]): r for r in rows if r["part"] == "gemv"}
-    if gemv:
-        print("GEMV, us (TB/s) per call; speedup = cuBLAS[+op] / Triton[fused]")
-        print(
-            f"{'shape':8} {'M':>4} {'cuBLAS':>14} {'Triton':>14} {'x':>5} {'cuBLAS+op':>14} {'Triton fused':>14} {'x':>5}  chosen config"
-        )
-        for name in SHAPES:
-            for m in ROWS:
-                c, t = gemv.get((name, m, "cublas")), gemv.get((name, m, "triton"))
-                op = "norm" if name in ("qkv", "gate_up") else "silu" if name == "down" else None
-                cf, tf = (
-                    (gemv.get((name, m, f"cublas+{op}")), gemv.get((name, m, f"triton+{op}")))
-                    if op
-                    else (None, None)
-                )
-                print(f"{name:8} {m:>4} {_cell(c)} {_cell(t)} {_ratio(c, t)} {_cell(cf)} {_cell(tf)} {_ratio(cf, tf)}  "
-                      f"{(tf or t or {}).get('config', '')}")  # fmt: skip
     lat = [r for r in rows if r["part"] == "latency"]
     if lat:
         for r in lat:
@@ -497,15 +273,6 @@ def summary(path: str) -> None:
                 print(
                     f"  layer M {m:>3}: cuBLAS {a:6.1f} us  cuBLASLt {b:6.1f} us  => {(a - b) * 28 / 1e3:+.3f} ms per step"
                 )
-    layer = {(r["m"], r["variant"]): r for r in rows if r["part"] == "layer"}
-    if layer:
-        print("Decoder layer's projections (qkv(norm) + o + gate_up(norm) + down(silu)), us per layer")
-        for m in ROWS:
-            u, f = layer.get((m, "unfused")), layer.get((m, "fused"))
-            if u and f:
-                saved = (u["us"] - f["us"]) * 28 / 1e3
-                print(f"  M {m:>3}: unfused {u['us']:7.1f}  fused {f['us']:7.1f}  x{u['us'] / f['us']:.2f}  "
-                      f"=> {saved:+.3f} ms per 28-layer step")  # fmt: skip
     attn = [r for r in rows if r["part"] == "attn"]
     if attn:
         print("Decode attention, TB/s of KV read (us per layer call)")
@@ -534,12 +301,9 @@ def _ratio(base: dict | None, new: dict | None) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--part", choices=["copy", "tune", "gemv", "latency", "attn"])
+    p.add_argument("--part", choices=["copy", "latency", "attn"])
     p.add_argument("--json", default=None, help="append rows here")
     p.add_argument("--summary", default=None, help="print the summary table of these rows and exit")
-    p.add_argument(
-        "--workers", type=int, default=min(12, os.cpu_count() or 1), help="GEMV precompile processes"
-    )
     args = p.parse_args()
     if args.summary:
         summary(args.summary)
@@ -548,8 +312,8 @@ def main() -> int:
         print("kernel_bench needs a CUDA device", file=sys.stderr)
         return 2
     t0 = time.time()
-    {"copy": lambda: part_copy(args.json), "tune": lambda: part_tune(args.workers),
-     "gemv": lambda: part_gemv(args.json, args.workers), "latency": lambda: part_latency(args.json), "attn": lambda: part_attn(args.json)}[args.part]()  # fmt: skip
+    {"copy": lambda: part_copy(args.json), "latency": lambda: part_latency(args.json),
+     "attn": lambda: part_attn(args.json)}[args.part]()  # fmt: skip
     print(f"{args.part} done in {time.time() - t0:.0f} s", flush=True)
     return 0
 

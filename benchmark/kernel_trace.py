@@ -136,7 +136,7 @@ def trace_mixed(llm: Any, bs: int, tokens: int, context: int, top: int) -> dict[
 
     def timed_step(top: int) -> tuple[str, float, dict[str, Any]]:
         """One engine step: the kind of step it launched, its device ms (events), its kernels."""
-        before = sched.steps.copy()
+        before = sched.counters.steps.copy()
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -144,7 +144,7 @@ def trace_mixed(llm: Any, bs: int, tokens: int, context: int, top: int) -> dict[
             eng.step()
             end.record()
             torch.cuda.synchronize()
-        (kind,) = (sched.steps - before).keys()
+        (kind,) = (sched.counters.steps - before).keys()
         ms = start.elapsed_time(end)
         head = f"{kind} step ({bs} decoding, {chunk}-token chunk): {ms:.3f} ms (events)"
         return kind, ms, report(prof, 1, head, top) if top else {}
@@ -209,7 +209,6 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="Qwen3-0.6B")
     p.add_argument("--attn", default="auto")
-    p.add_argument("--linear-backend", default="torch", choices=["torch", "triton", "auto"])
     p.add_argument("--batch-sizes", default="1,64,256")
     p.add_argument("--context", type=int, default=800)
     p.add_argument("--steps", type=int, default=20)
@@ -242,7 +241,6 @@ def main() -> int:
         # A mixed trace holds its decoders plus the chunk's requests.
         max_running_requests=max(sizes + [b + chunk_tokens // args.context + 2 for b in mixed_sizes]),
         cuda_graph_max_bs=args.cuda_graph_max_bs,
-        linear_backend=args.linear_backend,
         page_size=args.page_size,
     )
     print(f"attention backend: {type(llm.engine.runner.attn).__name__}", flush=True)

@@ -15,7 +15,8 @@ import json
 from collections import Counter
 
 from kubesgl.bench.offline import add_arguments, make_workload
-from kubesgl.engine.scheduler import Scheduler, SchedulerLimits, StepTokens
+from kubesgl.engine.plan import StepTokens
+from kubesgl.engine.scheduler import Scheduler, SchedulerLimits
 from kubesgl.kv.page_pool import PagePool
 from kubesgl.kv.radix import RadixCache
 from kubesgl.values.sampling import SamplingParams
@@ -55,8 +56,8 @@ def schedule(args: argparse.Namespace, mixed: bool) -> dict[str, object]:
         inflight = launched
     return {
         "mixed_chunk": mixed,
-        **{f"steps_{k}": sched.steps[k] for k in ("extend", "mixed", "decode")},
-        "mixed_decode_rows": sched.mixed_decode_rows,
+        **{f"steps_{k}": sched.counters.steps[k] for k in ("extend", "mixed", "decode")},
+        "mixed_decode_rows": sched.counters.mixed_decode_rows,
         "decode_step_rows": sum(b * n for b, n in decode_rows.items()),
         "decode_steps_at_256": decode_rows[args.max_running_requests],
     }

@@ -1,5 +1,5 @@
 """Client-side timing of one streamed OpenAI completion: time to first token and the gaps between tokens,
-taken as each server-sent event arrives. Shared by locust/locustfile.py, replay.py and benchmark/soak.py."""
+taken as each server-sent event arrives. Shared by locust/locustfile.py, replay.py and soak.py."""
 
 from __future__ import annotations
 

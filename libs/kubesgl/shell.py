@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +15,8 @@ from typing import Any, TextIO
 import httpx
 from prompt_toolkit import PromptSession
 from prompt_toolkit.history import FileHistory, InMemoryHistory
+
+from kubesgl import env
 
 HELP = "Type a message. /reset clears the conversation, /exit (or Ctrl-D) quits, Ctrl-C stops a reply."
 DEFAULT_MAX_TOKENS = 256
@@ -114,7 +115,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model id (default: the first the gateway serves)")
     parser.add_argument(
         "--api-key",
-        default=os.environ.get("KUBESGL_API_KEY") or os.environ.get("OPENAI_API_KEY"),
+        default=env.api_key(openai_fallback=True),
         help="API key (env KUBESGL_API_KEY or OPENAI_API_KEY)",
     )
     parser.add_argument("--system", default=None, help="system prompt")

@@ -12,7 +12,8 @@ import socket
 import sys
 
 from kubesgl.engine.config import EngineConfig
-from kubesgl.engine.engine import Engine, local_ranks, run_node_ranks
+from kubesgl.engine.distributed import local_ranks, run_node_ranks
+from kubesgl.engine.engine import Engine
 from kubesgl.service.bus_service import add_service_arguments, run_bus_service
 from kubesgl.service.lifecycle import configure_logging
 from kubesgl.service.telemetry.metrics import SchedulerMetrics, new_registry

@@ -1,4 +1,4 @@
-"""benchmark/soak.py, short: 15 s of its mixed load (about 20 with the requests in flight at the end) (every scenario at least once: chat and completions,
+"""loadtest/soak.py, short: 15 s of its mixed load (about 20 with the requests in flight at the end) (every scenario at least once: chat and completions,
 streamed or not, n=2, stop strings, logprobs, long and shared-prefix prompts, invalid bodies, disconnects,
 given-up JSON requests, expired deadlines) against a live stack. Its counts add up, nothing hung or was lost,
 every failure was one the scenario asked for (or the overload 503), every service was sampled, and the page
@@ -16,7 +16,7 @@ from types import ModuleType
 import pytest
 from conftest import StackFactory
 
-SOAK = Path(__file__).resolve().parents[2] / "benchmark" / "soak.py"
+SOAK = Path(__file__).resolve().parents[2] / "loadtest" / "soak.py"
 
 
 @pytest.fixture(scope="module")

@@ -108,7 +108,7 @@ def generate(
         if mask.fill([None if o.finish_reason else s for o, s in zip(out, states, strict=True)]):
             apply_token_bitmask_(logits, mask.upload(n), backend=backend)
         if greedy:
-            tokens = sampler.sample(logits, list(range(n)), [step] * n, token_pool, [-1] * n)[0].tolist()
+            tokens = sampler.sample(logits, list(range(n)), [step] * n, token_pool, [None] * n)[0].tolist()
         else:
             tokens = [
                 _seeded_draw(row_logits, r.request, step) for r, row_logits in zip(rows, logits, strict=True)

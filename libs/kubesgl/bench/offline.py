@@ -37,9 +37,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attn", default="auto")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--cuda-graph-max-bs", type=int, default=None)
-    p.add_argument(
-        "--linear-backend", default="torch", choices=["torch", "triton", "auto"], help="decode-batch GEMVs"
-    )
     p.add_argument("--disable-overlap", action="store_true")
     p.add_argument(
         "--enable-mixed-chunk",
@@ -271,7 +268,6 @@ def main(args: argparse.Namespace) -> int:
         attn=args.attn,
         page_size=args.page_size,
         cuda_graph_max_bs=args.cuda_graph_max_bs,
-        linear_backend=args.linear_backend,
         disable_overlap=args.disable_overlap,
         enable_mixed_chunk=args.enable_mixed_chunk,
         dummy_weight=dummy,
@@ -286,7 +282,7 @@ def main(args: argparse.Namespace) -> int:
     warm = SamplingParams(max_tokens=8, constraint=schema)
     llm.generate([[1, 2, 3, 4]], warm)  # warm-up (and the schema compiled)
     sched = llm.engine.scheduler
-    warm_steps, warm_rows = sched.steps.copy(), sched.mixed_decode_rows
+    warm_steps, warm_rows = sched.counters.steps.copy(), sched.counters.mixed_decode_rows
     params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n) for n in max_tokens]
     pick = random.Random(1)
     constrained = [i for i in range(len(params)) if schema is not None and pick.random() < args.json_fraction]
@@ -319,7 +315,6 @@ def main(args: argparse.Namespace) -> int:
         "model": args.model,
         "attn": type(llm.engine.runner.attn).__name__,
         "attn_spec": args.attn,
-        "linear_backend": args.linear_backend,
         "overlap": llm.engine.overlap,
         "mixed_chunk": args.enable_mixed_chunk,
         "max_prefill_length": args.max_prefill_length,
@@ -345,8 +340,11 @@ def main(args: argparse.Namespace) -> int:
         "ratio_to_ceiling_with_prefill": round((ideal + prefill) / dt, 3) if prefill == prefill else None,
         "preemptions": llm.engine.stats().retracted_total,
         # Steps of the run by kind (the warm-up's excluded) and the decode rows that rode in mixed steps.
-        **{f"steps_{kind}": sched.steps[kind] - warm_steps[kind] for kind in ("extend", "mixed", "decode")},
-        "mixed_decode_rows": sched.mixed_decode_rows - warm_rows,
+        **{
+            f"steps_{kind}": sched.counters.steps[kind] - warm_steps[kind]
+            for kind in ("extend", "mixed", "decode")
+        },
+        "mixed_decode_rows": sched.counters.mixed_decode_rows - warm_rows,
     }
     if schema is not None:
         res.update(json_figures(llm, [outs[i] for i in constrained], args.json_fraction))

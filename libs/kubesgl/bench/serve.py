@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import itertools
 import json
-import os
 import statistics
 import sys
 import time
@@ -31,6 +30,7 @@ from typing import Any
 
 import httpx
 
+from kubesgl import env
 from kubesgl.bench import shared_prefix
 from kubesgl.bench.offline import make_workload
 from kubesgl.bench.sse_client import HttpStatusError, post_events
@@ -57,7 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="gateway base URL; repeat it or separate URLs with commas to spread the streams round-robin "
         f"over several gateways (default {DEFAULT_URL})",
     )
-    p.add_argument("--api-key", default=os.environ.get("KUBESGL_API_KEY"), help="env KUBESGL_API_KEY")
+    p.add_argument("--api-key", default=env.api_key(), help="env KUBESGL_API_KEY")
     p.add_argument("--served-model", default=None, help="model id to request (default: the first served)")
     p.add_argument("--num-seqs", type=int, default=32)
     p.add_argument("--min-input", type=int, default=16)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kubesgl.errors import InvalidRequestError
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -21,7 +23,6 @@ class EngineConfig:
     max_seq_len_override: int | None = None
     attn: str = "auto"  # "torch" | "triton" | "flashinfer" | "fa3" | "prefill,decode" | "auto"
     cuda_graph_max_bs: int | None = None  # None = auto, 0 = off
-    linear_backend: str = "torch"  # "torch" | "triton" | "auto": decode-batch GEMVs (kernels/gemv.py)
     disable_overlap: bool = False
     # SGLang's --enable-mixed-chunk: a prefill step also carries the decode batch (one token per request, counted
     # against max_prefill_tokens), so decoding requests advance while prompts are prefilled. The step is eager:
@@ -39,3 +40,23 @@ class EngineConfig:
     default_max_tokens: int | None = (
         None  # most tokens of a request without max_tokens (None: to the context end)
     )
+
+    def validate(self) -> None:
+        """Raises InvalidRequestError for a setting no engine can start with (the rank layout:
+        engine.distributed.check_ranks)."""
+        checks = [
+            (self.tp_size >= 1, "tp_size must be >= 1"),
+            (self.page_size >= 1, "page_size must be >= 1"),
+            (self.cache in ("radix", "naive"), f"cache must be 'radix' or 'naive', got {self.cache!r}"),
+            (self.max_running_requests >= 1, "max_running_requests must be >= 1"),
+            (self.max_prefill_tokens >= 1, "max_prefill_tokens must be >= 1"),
+            (self.device in ("cpu", "cuda"), f"device must be 'cpu' or 'cuda', got {self.device!r}"),
+            (self.num_pages is None or self.num_pages >= 1, "num_pages must be >= 1"),
+            (
+                self.default_max_tokens is None or self.default_max_tokens >= 1,
+                "default_max_tokens must be >= 1",
+            ),
+        ]
+        for ok, why in checks:
+            if not ok:
+                raise InvalidRequestError(why)

@@ -9,24 +9,23 @@ into the matchers and filled those rows' token bitmask (while the device ran the
 from __future__ import annotations
 
 import concurrent.futures
-import datetime
 import logging
 import os
 import time
 from typing import TYPE_CHECKING
 
-import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from kubesgl.distributed import TPGroup
+from kubesgl import env
 from kubesgl.engine.config import EngineConfig
+from kubesgl.engine.distributed import check_ranks, init_tp, local_ranks, rank0_store, spawn_ranks
 from kubesgl.engine.grammar import EngineGrammars, has_tokenizer
 from kubesgl.engine.plan import BatchPlan
 from kubesgl.engine.request import Req
-from kubesgl.engine.runner import ModelRunner, PendingSample, StepResult
+from kubesgl.engine.runner import ModelRunner
 from kubesgl.engine.scheduler import Scheduler, SchedulerLimits
 from kubesgl.engine.step_profile import StepHook, StepProfile
+from kubesgl.engine.step_result import PendingSample, StepResult
 from kubesgl.errors import InvalidRequestError
 from kubesgl.kv.kv_events import KVEvents
 from kubesgl.kv.page_pool import PagePool
@@ -41,153 +40,28 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_DIST_TIMEOUT = datetime.timedelta(minutes=10)
 # A launched batch: its plan, its requests (one per row) and its results (or its sampling, still to come).
 Launched = tuple[BatchPlan, list[Req], StepResult | PendingSample]
 _GRAMMAR_IDLE_WAIT_S = 0.005  # nothing to run but grammars compiling: wait this long for one, then step again
 
 
-def _validate(config: EngineConfig) -> None:
-    checks = [
-        (config.tp_size >= 1, "tp_size must be >= 1"),
-        (config.page_size >= 1, "page_size must be >= 1"),
-        (config.cache in ("radix", "naive"), f"cache must be 'radix' or 'naive', got {config.cache!r}"),
-        (config.max_running_requests >= 1, "max_running_requests must be >= 1"),
-        (config.max_prefill_tokens >= 1, "max_prefill_tokens must be >= 1"),
-        (config.device in ("cpu", "cuda"), f"device must be 'cpu' or 'cuda', got {config.device!r}"),
-        (config.num_pages is None or config.num_pages >= 1, "num_pages must be >= 1"),
-        (
-            config.default_max_tokens is None or config.default_max_tokens >= 1,
-            "default_max_tokens must be >= 1",
-        ),
-    ]
-    for ok, why in checks:
-        if not ok:
-            raise InvalidRequestError(why)
-    nodes = [
-        (config.nnodes >= 1 and config.tp_size % config.nnodes == 0, "tp_size must be a multiple of nnodes"),
-        (0 <= config.node_rank < config.nnodes, "node_rank must be in [0, nnodes)"),
-        (
-            config.nnodes == 1 or config.dist_init_addr.rpartition(":")[2].isdigit(),
-            "nnodes > 1 needs dist_init_addr host:port",
-        ),
-    ]
-    for ok, why in nodes:
-        if not ok:
-            raise InvalidRequestError(why)
-    local = local_ranks(config)
-    if config.device == "cuda" and torch.cuda.device_count() < len(local):
-        raise InvalidRequestError(
-            f"tp_size {config.tp_size} over {config.nnodes} node(s) needs {len(local)} GPUs"
-        )
-
-
-def local_ranks(config: EngineConfig) -> range:
-    """The global TP ranks this node runs: tp_size // nnodes consecutive ones, node 0 first."""
-    per_node = config.tp_size // max(config.nnodes, 1)
-    return range(config.node_rank * per_node, (config.node_rank + 1) * per_node)
-
-
-def _store_address(config: EngineConfig, port: int) -> tuple[str, int]:
-    """Where the ranks meet: several nodes at dist_init_addr (rank 0's node); one node on loopback at `port`."""
-    if config.nnodes == 1:
-        return "127.0.0.1", port
-    host, _, number = config.dist_init_addr.rpartition(":")
-    return host.strip("[]"), int(number)
-
-
-def _rank0_store(config: EngineConfig) -> dist.TCPStore | None:
-    """Rank 0's rendezvous store, listening before any other rank starts. One node without --dist-port: on a
-    port the kernel picks, which the ranks rank 0 spawns are told (a "free" port passed by number could be
-    taken during their imports)."""
-    if config.tp_size == 1:
-        return None
-    host, port = _store_address(config, config.dist_port)
-    return dist.TCPStore(
-        host, port, config.tp_size, is_master=True, timeout=_DIST_TIMEOUT, wait_for_workers=False
-    )
-
-
-def _init_tp(rank: int, config: EngineConfig, port: int, store: dist.TCPStore | None = None) -> TPGroup:
-    """Joins the group: rank 0 through its own store (_rank0_store), every other rank as that store's client."""
-    if config.tp_size == 1:
-        return TPGroup()
-    backend = "nccl" if config.device == "cuda" else "gloo"
-    local_rank = rank - local_ranks(config).start
-    if config.device == "cuda":
-        torch.cuda.set_device(local_rank)
-    if store is None:
-        host, port = _store_address(config, port)
-        store = dist.TCPStore(host, port, config.tp_size, is_master=False, timeout=_DIST_TIMEOUT)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=config.tp_size, timeout=_DIST_TIMEOUT)
-    group = dist.group.WORLD
-    cpu_group = dist.new_group(backend="gloo", timeout=_DIST_TIMEOUT) if backend != "gloo" else group
-    return TPGroup(rank, config.tp_size, group, cpu_group, local_rank)
-
-
-def _worker_main(rank: int, config: EngineConfig, port: int) -> None:
-    """Ranks 1..N-1: execute every plan rank 0 broadcasts, until it sends None."""
-    tp = _init_tp(rank, config, port)
-    try:
-        runner = ModelRunner(config, tp)
-        while True:
-            plan = tp.broadcast_object(None)
-            if plan is None:
-                break
-            result = runner.execute(plan)  # type: ignore[arg-type]
-            if isinstance(result, PendingSample):
-                runner.sample_masked(result, None)  # rank 0 broadcasts the bitmask
-    finally:
-        dist.destroy_process_group()
-
-
-def _spawn_ranks(ranks: range, config: EngineConfig, port: int) -> list[BaseProcess]:
-    ctx = mp.get_context("spawn")
-    workers = []
-    for rank in ranks:
-        p = ctx.Process(target=_worker_main, args=(rank, config, port), daemon=True)
-        p.start()
-        workers.append(p)
-    return workers
-
-
-def run_node_ranks(config: EngineConfig) -> int:
-    """A node other than 0 (node_rank > 0): runs its ranks, which execute rank 0's plans, until rank 0 shuts
-    the group down (exit 0) or the group breaks (a rank or node died: non-zero, so the pod restarts)."""
-    if config.node_rank == 0:
-        raise InvalidRequestError("node 0 runs the engine (Engine), not run_node_ranks")
-    _validate(config)
-    ranks = local_ranks(config)
-    workers = _spawn_ranks(ranks[1:], config, 0)
-    try:
-        _worker_main(ranks.start, config, 0)
-    finally:
-        for p in workers:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
-    return max([0, *(abs(p.exitcode or 0) for p in workers)])
-
-
 def overlap_enabled(config: EngineConfig) -> bool:
-    off = os.environ.get(
-        "KUBESGL_DISABLE_OVERLAP_SCHEDULING", os.environ.get("MINISGL_DISABLE_OVERLAP_SCHEDULING")
-    )
-    return config.device == "cuda" and not config.disable_overlap and off not in ("1", "true", "True")
+    return config.device == "cuda" and not config.disable_overlap and not env.disable_overlap_scheduling()
 
 
 class Engine:
     def __init__(self, config: EngineConfig, step_hook: StepHook | None = None) -> None:
         started = time.perf_counter()
-        _validate(config)
+        config.validate()
+        check_ranks(config)
         if config.node_rank != 0:
             raise InvalidRequestError("only node 0 runs the engine; other nodes use run_node_ranks")
         self.config = config
-        store = _rank0_store(config)
+        store = rank0_store(config)
         port = store.port if store is not None else 0
         # This node's other ranks; the other nodes start theirs themselves (run_node_ranks).
-        self._workers: list[BaseProcess] = _spawn_ranks(local_ranks(config)[1:], config, port)
-        self.tp = _init_tp(0, config, port, store)
+        self._workers: list[BaseProcess] = spawn_ranks(local_ranks(config)[1:], config, port)
+        self.tp = init_tp(0, config, port, store)
         try:
             self.runner = ModelRunner(config, self.tp)
         except BaseException:
@@ -225,7 +99,7 @@ class Engine:
         self.cache = cache
         self.overlap = overlap_enabled(config)
         self._inflight: Launched | None = None
-        if step_hook is None and os.environ.get("KUBESGL_STEP_PROFILE", "") not in ("", "0"):
+        if step_hook is None and env.step_profile():
             step_hook = StepProfile(on_cuda=self.runner.device.type == "cuda")
         self.step_hook = step_hook  # called at each phase of step() (profiling); None costs nothing
         hf = r.model.hf_config
@@ -313,7 +187,7 @@ class Engine:
         return self.kv_events.drain() if self.kv_events is not None else ([], [])
 
     def stats(self) -> EngineStats:
-        s = self.scheduler
+        s, n = self.scheduler, self.scheduler.counters
         return EngineStats(
             num_running=len(s.running),
             num_queued=len(s.waiting),
@@ -321,10 +195,10 @@ class Engine:
             available_pages=self.pool.num_free + self.cache.evictable_pages,
             total_pages=self.pool.capacity,
             cached_prefix_pages=self.cache.cached_pages,
-            prompt_tokens_total=s.prompt_tokens_total,
-            cached_tokens_total=s.cached_tokens_total,
-            generation_tokens_total=s.generation_tokens_total,
-            retracted_total=s.num_preemptions,
+            prompt_tokens_total=n.prompt_tokens,
+            cached_tokens_total=n.cached_tokens,
+            generation_tokens_total=n.generation_tokens,
+            retracted_total=n.preemptions,
         )
 
     def shutdown(self) -> None:

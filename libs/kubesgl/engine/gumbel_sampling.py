@@ -13,9 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-# Each program scans SPLIT logits of one row in BLOCK-wide chunks; a second kernel picks each row's best split.
-# One program per row (the first version) left a batch-1 step with a single program walking 152k logits
-# (125 us on the H200, 7% of the step); split, the row is read by ~19 programs at once.
+# Each program scans SPLIT logits of one row in BLOCK-wide chunks; a second kernel picks each row's best split,
+# so even a batch of one row is read by many programs at once (docs/performance.md has the figures).
 SPLIT = 8192
 BLOCK = 2048
 
@@ -48,8 +47,8 @@ def _gumbel_partial_kernel(
     BLOCK: tl.constexpr,
     Q: tl.constexpr,
 ):
-    """One Philox call (rand4x) draws the noise of four logits, a quarter-block apart: the generator, not the
-    memory, bounded this kernel (206 us for a [256, 152k] batch with one Philox call per logit)."""
+    """One Philox call (rand4x) draws the noise of four logits, a quarter-block apart: with one call per logit
+    the generator, not the memory, bounds the kernel."""
     row = tl.program_id(0)
     split = tl.program_id(1)
     scale = tl.load(scale_ptr + row)

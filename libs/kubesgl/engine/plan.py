@@ -1,10 +1,12 @@
-"""BatchPlan: everything a rank needs to run one step, decided on rank 0 and broadcast to the others."""
+"""One step's input and output: the BatchPlan every rank runs (decided on rank 0 and broadcast to the others),
+and the StepTokens rank 0 reads back for the scheduler."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Literal
 
+from kubesgl.values.outputs import TokenLogprob
 from kubesgl.values.sampling import SamplingParams
 
 
@@ -49,7 +51,7 @@ class BatchPlan:
     extend_lens: list[int]
     tokens: list[int]  # the extend rows' new tokens, concatenated; decode rows' come from the token pool
     sample: list[bool]  # False for a prefill chunk that is not the request's last
-    top_logprobs: list[int]  # per request: -1 no logprobs, else how many alternatives
+    top_logprobs: list[int | None]  # per row: None no logprobs, else how many alternatives
     page_writes: list[tuple[int, int, list[int]]] = field(default_factory=list)  # (slot, first index, pages)
     slot_inits: list[SlotInit] = field(default_factory=list)
     num_decode: int = 0  # extend plans: trailing decode rows (a mixed step); decode plans: unused
@@ -70,3 +72,13 @@ class BatchPlan:
     @property
     def seq_lens(self) -> list[int]:
         return [p + e for p, e in zip(self.prefix_lens, self.extend_lens, strict=True)]
+
+
+@dataclass
+class StepTokens:
+    """What the host reads back after a step: per row of the plan, the sampled token (-1 where the row samples
+    nothing) and its logprob, and the prompt logprobs by row."""
+
+    tokens: list[int]
+    logprobs: list[TokenLogprob | None]
+    prompt_logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)

@@ -7,6 +7,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from kubesgl.errors import KubesglError
+from kubesgl.kv.prefix_cache import CacheHandle
 from kubesgl.structured.compiler import CompiledConstraint
 from kubesgl.structured.matcher import GrammarState
 from kubesgl.values.outputs import FinishReason, TokenLogprob
@@ -21,6 +22,9 @@ class ReqState(enum.Enum):
 
 @dataclass(eq=False)
 class Req:
+    """A request's fields change together through its transitions: `admit`, `hold_cached_prefix`, `release`,
+    `finish`; the rest (kv_len, pending, outputs) advance a step at a time."""
+
     rid: str
     input_ids: list[int]
     params: SamplingParams
@@ -32,7 +36,7 @@ class Req:
     slot: int = -1  # row in the runner's token pool / page table
     pages: list[int] = field(default_factory=list)
     tree_pages: int = 0  # pages[:tree_pages] belong to the prefix cache (locked by cache_handle)
-    cache_handle: object = None
+    cache_handle: CacheHandle | None = None
     kv_len: int = 0  # tokens whose KV is computed or being computed by a launched batch
     prefill_target: int = 0  # tokens that need KV before decoding starts (prompt, + outputs after preemption)
     pending: int = 0  # tokens sampled by launched batches whose values the host has not seen yet
@@ -66,3 +70,41 @@ class Req:
     @property
     def finished(self) -> bool:
         return self.state is ReqState.FINISHED
+
+    @property
+    def cacheable_len(self) -> int:
+        """How many leading tokens admission may take from the prefix cache: all but the last known one (its
+        logits give the next token), and none whose prompt logprob is still to compute (a cached prefix has no
+        logits)."""
+        limit = self.num_known - 1
+        return limit if self.prompt_logprob_next is None else min(self.prompt_logprob_next - 1, limit)
+
+    def admit(self, slot: int, handle: CacheHandle | None, pages: list[int], page_size: int) -> None:
+        """Running in `slot`, holding the KV of its cached prefix (`pages`, locked by `handle`); what it knows
+        but the cache did not give is to prefill."""
+        self.state = ReqState.RUNNING
+        self.slot = slot
+        self.prefill_target = self.num_known
+        self.cache_handle, self.pages, self.tree_pages = handle, list(pages), len(pages)
+        self.kv_len = len(pages) * page_size
+        if self.cached_tokens < 0:
+            self.cached_tokens = self.kv_len
+
+    def hold_cached_prefix(self, handle: CacheHandle | None, pages: list[int]) -> bool:
+        """The prefix cache now owns the request's first len(pages) pages under `handle`; `pages` are the
+        cache's (an identical copy cached earlier replaces ours). True when they differ from the ones held."""
+        replaced = pages != self.pages[: len(pages)]
+        self.pages[: len(pages)] = pages
+        self.cache_handle, self.tree_pages = handle, len(pages)
+        return replaced
+
+    def release(self) -> None:
+        """Holds no slot, pages or cache lock any more (the caller gave them back); waits to be admitted again."""
+        self.state = ReqState.WAITING
+        self.slot, self.pages, self.tree_pages, self.cache_handle, self.kv_len = -1, [], 0, None, 0
+
+    def finish(self, reason: FinishReason) -> None:
+        """Done (its memory released first); the matcher goes, a compile shared with others keeps running."""
+        self.state = ReqState.FINISHED
+        self.finish_reason = reason
+        self.grammar = self.grammar_future = None

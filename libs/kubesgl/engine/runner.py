@@ -12,8 +12,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from typing import Generic, NamedTuple, TypeVar
 
 import numpy as np
 import torch
@@ -25,16 +24,16 @@ from kubesgl.engine.config import EngineConfig
 from kubesgl.engine.cuda_graph import DecodeGraphs, auto_max_bs
 from kubesgl.engine.plan import BatchPlan
 from kubesgl.engine.sampler import Sampler
-from kubesgl.engine.scheduler import StepTokens
-from kubesgl.engine.transfer import PinnedStaging, to_device
+from kubesgl.engine.step_result import PendingSample, PromptLogprobs, StepResult
+from kubesgl.engine.transfer import PinnedStaging
 from kubesgl.kv.kv_cache import KVCache
 from kubesgl.layers.forward import ForwardBatch
 from kubesgl.models.loader import load_model
 from kubesgl.structured.matcher import bitmask_width
-from kubesgl.values.outputs import TokenLogprob
 
 log = logging.getLogger(__name__)
 
+_T = TypeVar("_T", np.ndarray, torch.Tensor)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -47,125 +46,24 @@ def resolve_dtype(name: str, device: str) -> torch.dtype | None:
     return _DTYPES[name]
 
 
-@dataclass
-class StepResult:
-    """Device-side results of one step; `to_host` is the only place the host waits for the device."""
+class EagerInputs(NamedTuple, Generic[_T]):
+    """An eager step's inputs: int64 arrays on the host, then (`upload`) tensors on the device."""
 
-    plan: BatchPlan
-    tokens: torch.Tensor  # [num sampled]
-    chosen_lp: torch.Tensor | None
-    top_ids: torch.Tensor | None
-    top_lp: torch.Tensor | None
-    event: torch.cuda.Event | None = None
-    prompt: PromptLogprobs | None = None
-
-    def to_host(self) -> StepTokens:
-        if self.event is not None:
-            self.event.synchronize()
-        toks = self.tokens.tolist()
-        prompt = self.prompt.to_host(self.plan) if self.prompt is not None else {}
-        if self.chosen_lp is None and len(toks) == len(self.plan.sample):  # every row sampled, no logprobs
-            return StepTokens(toks, [None] * len(toks), prompt)
-        chosen = self.chosen_lp.tolist() if self.chosen_lp is not None else None
-        top_ids = self.top_ids.tolist() if self.top_ids is not None else None
-        top_lp = self.top_lp.tolist() if self.top_lp is not None else None
-        out_tokens: list[int] = []
-        out_lps: list[TokenLogprob | None] = []
-        j = 0
-        for sample, n_top in zip(self.plan.sample, self.plan.top_logprobs, strict=True):
-            if not sample:
-                out_tokens.append(-1)
-                out_lps.append(None)
-                continue
-            out_tokens.append(toks[j])
-            if chosen is not None and n_top >= 0:
-                top = tuple(zip(top_ids[j][:n_top], top_lp[j][:n_top], strict=True)) if n_top else ()
-                out_lps.append(TokenLogprob(toks[j], chosen[j], top))
-            else:
-                out_lps.append(None)
-            j += 1
-        return StepTokens(out_tokens, out_lps, prompt)
-
-
-# Prompt positions scored per slice: [rows, vocab] float32 logits of a whole 8k-token chunk would be gigabytes.
-_PROMPT_LOGITS_ROWS = 512
-
-
-@dataclass
-class PromptLogprobs:
-    """Device-side prompt-token logprobs of one step, the plan's PromptLogprobRows concatenated in order."""
-
-    chosen: torch.Tensor  # [positions] the logprob of each target
-    top_ids: torch.Tensor | None  # [positions, max top]
-    top_lp: torch.Tensor | None
+    token_slots: _T  # [T] the slot of each new token
+    positions: _T  # [T] its position
+    tokens: _T  # [extend tokens] the extend rows' tokens (a mixed step's decode rows read the token pool)
+    slots: _T  # [B] per row
+    seq_lens: _T  # [B]
+    sample_index: _T  # [K] per sampled row: its last token's index among the T
+    sample_slots: _T  # [K]
+    sample_seq_lens: _T  # [K]
+    page_cells: _T  # the plan's page-table writes (`_page_cells`)
 
     @classmethod
-    def compute(
-        cls,
-        compute_logits: Callable[[torch.Tensor], torch.Tensor],
-        hidden: torch.Tensor,
-        plan: BatchPlan,
-        row_starts: np.ndarray,
-    ) -> PromptLogprobs:
-        """Scores the plan's prompt rows from the step's hidden states (`row_starts`: each row's first token
-        in `hidden`); every TP rank runs it alike (compute_logits gathers the vocab across ranks)."""
-        rows = plan.prompt_logprobs
-        index = np.concatenate(
-            [row_starts[r.row] + r.offset + np.arange(len(r.targets), dtype=np.int64) for r in rows]
-        )
-        targets = [t for r in rows for t in r.targets]
-        io = to_device([*index.tolist(), *targets], torch.int64, hidden.device)
-        index_t, targets_t = io[: len(targets)], io[len(targets) :]
-        n_top = max(r.top for r in rows)
-        chosen, top_ids, top_lp = [], [], []
-        for a in range(0, len(targets), _PROMPT_LOGITS_ROWS):
-            b = a + _PROMPT_LOGITS_ROWS
-            logprobs = torch.log_softmax(compute_logits(hidden[index_t[a:b]]).float(), dim=-1)
-            chosen.append(logprobs.gather(1, targets_t[a:b, None]).squeeze(1))
-            if n_top:
-                lp, ids = logprobs.topk(n_top, dim=-1)
-                top_lp.append(lp)
-                top_ids.append(ids)
-        if not n_top:
-            return cls(torch.cat(chosen), None, None)
-        return cls(torch.cat(chosen), torch.cat(top_ids), torch.cat(top_lp))
-
-    def to_cpu(self) -> PromptLogprobs:
-        """Asynchronous copies; StepResult's event marks when they are done."""
-        chosen, top_ids, top_lp = (
-            t.to("cpu", non_blocking=True) if t is not None else None
-            for t in (self.chosen, self.top_ids, self.top_lp)
-        )
-        assert chosen is not None
-        return PromptLogprobs(chosen, top_ids, top_lp)
-
-    def to_host(self, plan: BatchPlan) -> dict[int, list[TokenLogprob]]:
-        chosen = self.chosen.tolist()
-        top_ids = self.top_ids.tolist() if self.top_ids is not None else None
-        top_lp = self.top_lp.tolist() if self.top_lp is not None else None
-        out: dict[int, list[TokenLogprob]] = {}
-        j = 0
-        for r in plan.prompt_logprobs:
-            entries = []
-            for t in r.targets:
-                top = ()
-                if r.top and top_ids is not None and top_lp is not None:
-                    top = tuple(zip(top_ids[j][: r.top], top_lp[j][: r.top], strict=True))
-                entries.append(TokenLogprob(t, chosen[j], top))
-                j += 1
-            out[r.row] = entries
-        return out
-
-
-@dataclass
-class PendingSample:
-    """A launched step's sampler inputs; returned unsampled when grammar rows wait for their bitmask."""
-
-    plan: BatchPlan
-    logits: torch.Tensor  # [num sampled, V] float32
-    slots_t: torch.Tensor
-    seq_lens_t: torch.Tensor
-    prompt: PromptLogprobs | None = None
+    def upload(cls, staging: PinnedStaging, host: EagerInputs[np.ndarray]) -> EagerInputs[torch.Tensor]:
+        """All of them in one host-to-device copy, split back into their parts (views)."""
+        packed = staging.upload(np.concatenate(host))
+        return cls._make(torch.split(packed, [len(a) for a in host]))
 
 
 class ModelRunner:
@@ -184,7 +82,6 @@ class ModelRunner:
             dummy=config.dummy_weight,
         )
         self.load_weights_s = time.perf_counter() - started  # sglang:engine_load_weights_time
-        self.model.set_linear_backend(config.linear_backend)
         m = self.model
         self.context_len = config.max_seq_len_override or m.context_len
         self.page_size = config.page_size
@@ -295,7 +192,6 @@ class ModelRunner:
         """Any batch, op by op: extend (prefill chunks, with decode rows riding along in a mixed step), decode
         without graphs, or larger than the largest graph."""
         ps = self.page_size
-        b = len(plan.slots)
         slots = np.asarray(plan.slots, dtype=np.int64)
         prefix = np.asarray(plan.prefix_lens, dtype=np.int64)
         ext = np.asarray(plan.extend_lens, dtype=np.int64)
@@ -303,34 +199,28 @@ class ModelRunner:
         ends = np.cumsum(ext)
         t, n_tok = int(ends[-1]), len(plan.tokens)
         pick = np.flatnonzero(plan.sample)
-        k = len(pick)
-        # Each new token's slot and position, by numpy: as a Python loop over an 8k-token step they cost the host
-        # ~2.4 ms per step (on a 2-core CI machine), a step that is close to host-bound already.
-        rows = np.repeat(slots, ext)
+        # Each new token's slot and position by numpy, not a Python loop: an 8k-token step is close to host-bound.
         pos = np.arange(t, dtype=np.int64) + np.repeat(prefix - (ends - ext), ext)
-        packed = np.concatenate(
-            [
-                rows,
-                pos,
-                np.asarray(plan.tokens, dtype=np.int64),
-                slots,
-                seq,
-                ends[pick] - 1,
-                slots[pick],
-                seq[pick],
-                np.asarray(_page_cells(plan.page_writes), dtype=np.int64),
-            ]
+        inputs = EagerInputs.upload(
+            self.staging,
+            EagerInputs(
+                token_slots=np.repeat(slots, ext),
+                positions=pos,
+                tokens=np.asarray(plan.tokens, dtype=np.int64),
+                slots=slots,
+                seq_lens=seq,
+                sample_index=ends[pick] - 1,
+                sample_slots=slots[pick],
+                sample_seq_lens=seq[pick],
+                page_cells=np.asarray(_page_cells(plan.page_writes), dtype=np.int64),
+            ),
         )
-        io = self.staging.upload(packed)
-        rows_t, positions = io[:t], io[t : 2 * t]
-        off = 2 * t + n_tok
-        slots_t, seq_lens_t = io[off : off + b], io[off + b : off + 2 * b]
-        last, s_slots, s_lens = io[off + 2 * b : off + 2 * b + 3 * k].view(3, k)
-        self._write_page_table(io[off + 2 * b + 3 * k :])
+        rows_t, positions = inputs.token_slots, inputs.positions
+        self._write_page_table(inputs.page_cells)
         if plan.mode == "extend":
             # The extend rows' tokens come from the host; a mixed step's decode rows (the last t - n_tok tokens)
             # read theirs from the token pool, where the step before sampled them.
-            input_ids = io[2 * t : off]
+            input_ids = inputs.tokens
             self.token_pool[rows_t[:n_tok], positions[:n_tok]] = input_ids
             if n_tok < t:
                 input_ids = torch.cat([input_ids, self.token_pool[rows_t[n_tok:], positions[n_tok:]]])
@@ -344,8 +234,8 @@ class ModelRunner:
             seq_lens=seq_lens,
             extend_lens=plan.extend_lens,
             prefix_lens=plan.prefix_lens,
-            page_table=self.page_table[slots_t],
-            seq_lens_dev=seq_lens_t.to(torch.int32),
+            page_table=self.page_table[inputs.slots],
+            seq_lens_dev=inputs.seq_lens.to(torch.int32),
         )
         self.attn.plan(meta)
         hidden = self.model.forward(
@@ -356,10 +246,11 @@ class ModelRunner:
             if plan.prompt_logprobs
             else None
         )
-        if k == 0:
+        if len(pick) == 0:
             none = torch.empty(0, dtype=torch.int64, device=self.device)
             return self._result(plan, none, None, None, None, prompt)
-        return self._sample(plan, self.model.compute_logits(hidden[last]).float(), s_slots, s_lens, prompt)
+        logits = self.model.compute_logits(hidden[inputs.sample_index]).float()
+        return self._sample(plan, logits, inputs.sample_slots, inputs.sample_seq_lens, prompt)
 
     def _sample(
         self,
@@ -421,9 +312,9 @@ class ModelRunner:
 
     def _write_page_table(self, cells: torch.Tensor) -> None:
         """cells: [rows..., cols..., values...] from `_page_cells`, on the device."""
-        k = cells.shape[0] // 3
-        if k:
-            self.page_table[cells[:k], cells[k : 2 * k]] = cells[2 * k :].to(torch.int32)
+        if cells.numel():
+            rows, cols, pages = cells.view(3, -1)
+            self.page_table[rows, cols] = pages.to(torch.int32)
 
 
 def _page_cells(writes: list[tuple[int, int, list[int]]]) -> list[int]:

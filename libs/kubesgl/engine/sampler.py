@@ -131,11 +131,11 @@ class Sampler:
             _put(self._random_slots, s.slot, not p.greedy)
             _put(self._eager_slots, s.slot, _needs_eager(p, filtered))
 
-    def graph_mode(self, slots: list[int], top_logprobs: list[int]) -> str | None:
+    def graph_mode(self, slots: list[int], top_logprobs: list[int | None]) -> str | None:
         """ "greedy" or "temperature" when `greedy_tokens`/`temperature_tokens` sample this batch exactly as
         `sample` would; None when it needs `sample` (penalties, logit bias, grammars, top-k/top-p/min-p, seeds,
         logprobs)."""
-        if max(top_logprobs, default=-1) >= 0 or not self._eager_slots.isdisjoint(slots):
+        if any(n is not None for n in top_logprobs) or not self._eager_slots.isdisjoint(slots):
             return None
         return "greedy" if self._random_slots.isdisjoint(slots) else "temperature"
 
@@ -145,7 +145,7 @@ class Sampler:
         slots: list[int],
         seq_lens: list[int],  # the sampled token's position, per row
         token_pool: torch.Tensor,  # [slots, max_len] tokens so far (for penalties)
-        top_logprobs: list[int],
+        top_logprobs: list[int | None],  # per row: None no logprobs, else how many alternatives
         grammar_rows: Sequence[int] = (),
         bitmask: torch.Tensor | None = None,  # int32 [len(grammar_rows), ceil(V / 32)] on logits' device
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
@@ -154,7 +154,8 @@ class Sampler:
         host = [self._host[s].params for s in slots]
         seeded = [i for i, s in enumerate(slots) if self._host[s].seed_given]
         slot_t = to_device(slots, torch.int64, logits.device)
-        want_lp = max(top_logprobs) >= 0
+        tops = [n for n in top_logprobs if n is not None]
+        want_lp = bool(tops)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_lp else None
 
         if any(_penalized(h) for h in host):
@@ -174,7 +175,7 @@ class Sampler:
         if raw_logprobs is None:
             return tokens, None, None, None
         chosen = raw_logprobs.gather(1, tokens[:, None]).squeeze(1)
-        n = max(top_logprobs)
+        n = max(tops)
         if n > 0:
             top_lp, top_ids = raw_logprobs.topk(n, dim=-1)
             return tokens, chosen, top_ids, top_lp

@@ -16,6 +16,7 @@ import time
 
 from kubesgl.kv.kv_events import KVEvents, block_hashes
 from kubesgl.kv.page_pool import PagePool
+from kubesgl.kv.prefix_cache import CacheHandle
 
 
 class _Node:
@@ -107,12 +108,12 @@ class RadixCache:
             node = node.parent
 
     # -- the PrefixCache interface -----------------------------------------------------------------
-    def match_prefix(self, tokens: list[int]) -> tuple[object, list[int]]:
+    def match_prefix(self, tokens: list[int]) -> tuple[CacheHandle, list[int]]:
         node, pages, _ = self._walk(tokens)
         self._lock(node, +1)
         return node, pages
 
-    def insert(self, tokens: list[int], pages: list[int]) -> tuple[object, list[int]]:
+    def insert(self, tokens: list[int], pages: list[int]) -> tuple[CacheHandle, list[int]]:
         ps = self.page_size
         n_full = min(len(tokens) // ps, len(pages))
         tokens = tokens[: n_full * ps]
@@ -134,7 +135,7 @@ class RadixCache:
         self._lock(node, +1)
         return node, canon
 
-    def release(self, handle: object) -> None:
+    def release(self, handle: CacheHandle | None) -> None:
         if handle is not None:
             self._lock(handle, -1)  # type: ignore[arg-type]
 

@@ -3,11 +3,6 @@
 Column-parallel layers split the output dim (no communication); row-parallel layers split the input
 dim and all-reduce the partial sums. Every parameter carries a `weight_loader(param, full, shard_id)`
 and a `num_shards` (how many checkpoint tensors fill it) so the loader can tell when one is missing.
-
-The fused, sharded and row-parallel projections compute through a `LinearBackend` (`kernels/gemv.py`, set
-model-wide by `CausalLM.set_linear_backend`): F.linear, or for decode batches the Triton GEMV, whose fused
-forms `forward_rmsnorm` (the projections after a norm) and `forward_silu_mul` (the down projection) the
-decoder calls on the batches the backend takes.
 """
 
 from __future__ import annotations
@@ -16,10 +11,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kubesgl.distributed import TPGroup, shard_range
-from kubesgl.kernels.gemv import TORCH, LinearBackend, linear, rmsnorm_linear, silu_mul_linear
 
 WeightLoader = Callable[[nn.Parameter, torch.Tensor, Any], None]
 
@@ -51,24 +46,17 @@ def _narrow_rank(full: torch.Tensor, dim: int, tp: TPGroup) -> torch.Tensor:
     return full.narrow(dim, start, end - start)
 
 
-class _NormedInput(nn.Module):
-    """A column-parallel projection that can take the preceding RMSNorm (and residual add) as its prologue."""
+class _ColumnParallel(nn.Module):
+    """A column-parallel projection: this rank's output columns, no communication."""
 
     weight: nn.Parameter
     bias: nn.Parameter | None
-    backend: LinearBackend = TORCH
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.backend)
-
-    def forward_rmsnorm(
-        self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(self(norm(x + residual)), x + residual), fused on the batches the backend takes."""
-        return rmsnorm_linear(x, residual, norm.weight, norm.eps, self.weight, self.bias, self.backend)
+        return F.linear(x, self.weight, self.bias)
 
 
-class MergedColumnParallelLinear(_NormedInput):
+class MergedColumnParallelLinear(_ColumnParallel):
     """Several column-parallel projections of the same input in one matmul (gate_proj + up_proj).
 
     Each rank holds [shard of output 0 | shard of output 1 | ...]; shard_id is the output's index.
@@ -99,7 +87,7 @@ def kv_heads_per_rank(num_kv_heads: int, tp: TPGroup) -> int:
     return 1
 
 
-class QKVParallelLinear(_NormedInput):
+class QKVParallelLinear(_ColumnParallel):
     """Fused q/k/v projection split by heads; KV heads are replicated when tp_size exceeds them."""
 
     def __init__(
@@ -141,8 +129,6 @@ class QKVParallelLinear(_NormedInput):
 class RowParallelLinear(nn.Module):
     """y = x W^T + b with W's input columns split over ranks; partial sums are all-reduced."""
 
-    backend: LinearBackend = TORCH
-
     def __init__(self, in_features: int, out_features: int, *, bias: bool, tp: TPGroup) -> None:
         super().__init__()
         self.tp = tp
@@ -154,14 +140,6 @@ class RowParallelLinear(nn.Module):
         copy_checked(param.data, _narrow_rank(full, 1, self.tp), "row-parallel weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._reduce(linear(x, self.weight, None, self.backend))
-
-    def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
-        """self(silu(x[:, :d]) * x[:, d:]) for this rank's [gate | up] shard, fused on the batches the
-        backend takes."""
-        return self._reduce(silu_mul_linear(x, self.weight, None, self.backend))
-
-    def _reduce(self, y: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(y)
+        y = self.tp.all_reduce(F.linear(x, self.weight))
         # Bias after the reduce so it is added once, not tp_size times.
         return y if self.bias is None else y + self.bias

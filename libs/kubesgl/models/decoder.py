@@ -1,9 +1,8 @@
 """The dense decoder-only transformer shared by Llama, Mistral, Qwen2 and Qwen3.
 
 The families differ only in flags: Qwen2 has a q/k/v bias, Qwen3 normalises q and k per head before
-RoPE. On the batches a Triton linear backend takes (decode), a layer is four GEMV launches with the norms and
-the SiLU-and-mul in their prologues: qkv(norm) -> qkv_prep -> attention -> o_proj -> gate_up(norm) -> down(silu). Module names follow HF's so checkpoint names map one to one, except the fused q/k/v and
-gate/up projections (see `stacked_params`).
+RoPE. Module names follow HF's so checkpoint names map one to one, except the fused q/k/v and gate/up
+projections (see `stacked_params`).
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ from torch import nn
 from kubesgl.distributed import TPGroup
 from kubesgl.errors import UnsupportedModelError
 from kubesgl.kernels.dispatch import use_triton
-from kubesgl.kernels.gemv import LinearBackend
 from kubesgl.layers.activation import SiluAndMul
 from kubesgl.layers.attention import Attention
 from kubesgl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -70,10 +68,8 @@ class DecoderAttention(nn.Module):
         return norm(x.view(t, -1, self.head_dim)).view(t, -1)  # type: ignore[union-attr]
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        return self.attend(positions, self.qkv_proj(hidden), fb)
-
-    def attend(self, positions: torch.Tensor, qkv: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        """From the fused qkv rows on: norms, RoPE, KV store, attention and o_proj."""
+        """The fused qkv projection, then norms, RoPE, KV store, attention and o_proj."""
+        qkv = self.qkv_proj(hidden)
         prep = self._prep_fused if use_triton(qkv) else self._prep
         return self.o_proj(self.attn(prep(qkv, positions, fb), fb))
 
@@ -123,13 +119,6 @@ class DenseMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
-    def forward_rmsnorm(
-        self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(self(norm(x + residual)), x + residual) with the norm and SiLU-and-mul in the GEMV prologues."""
-        gate_up, residual = self.gate_up_proj.forward_rmsnorm(x, residual, norm)
-        return self.down_proj.forward_silu_mul(gate_up), residual
-
 
 class DecoderLayer(nn.Module):
     """Pre-norm block; the residual stream is carried separately so each norm can fuse the add."""
@@ -144,14 +133,6 @@ class DecoderLayer(nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, fb: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        attn = self.self_attn
-        if attn.qkv_proj.backend.takes(hidden):  # decode through the GEMV: norms fused into projections
-            qkv, residual = attn.qkv_proj.forward_rmsnorm(hidden, residual, self.input_layernorm)
-            hidden = attn.attend(positions, qkv, fb)
-            if isinstance(self.mlp, DenseMLP):
-                return self.mlp.forward_rmsnorm(hidden, residual, self.post_attention_layernorm)
-            hidden, residual = self.post_attention_layernorm(hidden, residual)
-            return self.mlp(hidden), residual
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
@@ -229,15 +210,6 @@ class CausalLM(nn.Module):
 
     def make_mlp(self, config: Any, layer_id: int, tp: TPGroup) -> nn.Module:
         return dense_mlp(config, layer_id, tp)
-
-    def set_linear_backend(self, name: str) -> None:
-        """Every projection and the LM head compute through this `--linear-backend` (kernels/gemv.py)."""
-        backend = LinearBackend(name)
-        for module in self.modules():
-            if isinstance(
-                module, (QKVParallelLinear, MergedColumnParallelLinear, RowParallelLinear, ParallelLMHead)
-            ):
-                module.backend = backend
 
     def map_weight_name(self, name: str) -> tuple[str, Any]:
         """HF checkpoint tensor name -> (our parameter name, shard id for its weight_loader)."""

@@ -19,6 +19,8 @@ from typing import Any, Literal
 
 import torch
 
+from kubesgl import env
+
 QWEN3_VOCAB = 151936
 QWEN3_BOS, QWEN3_EOS = 151643, (151645, 151643)  # <|endoftext|>, (<|im_end|>, <|endoftext|>)
 TINY_EOS = 1
@@ -235,14 +237,9 @@ def write_serving_config(name: str, out_dir: str | Path) -> Path:
     return out
 
 
-def cache_dir() -> Path:
-    """Where the demo model is built: $KUBESGL_CACHE, else ~/.cache/kubesgl."""
-    return Path(os.environ.get("KUBESGL_CACHE") or Path.home() / ".cache" / "kubesgl")
-
-
 def resolve_demo(model: str) -> str:
     """`model`, or for `demo` the demo model's directory (built on first use, offline)."""
-    return str(build_demo_model(cache_dir())) if model == DEMO else model
+    return str(build_demo_model(env.cache_dir())) if model == DEMO else model
 
 
 def build_demo_model(cache_dir: str | Path) -> Path:

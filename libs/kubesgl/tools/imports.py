@@ -26,7 +26,11 @@ from pathlib import Path
 # Bottom first. An entry names a package and everything in it, or one module; a top-level package's name
 # alone ("kubesgl") covers only its __init__, so a new module or package must be placed explicitly.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("kubesgl.errors", "kubesgl.values"),  # the engine's public values: SamplingParams, RequestOutput, ...
+    (
+        "kubesgl.errors",
+        "kubesgl.values",
+        "kubesgl.env",
+    ),  # the engine's public values: SamplingParams, RequestOutput, ...
     ("kubesgl.codec", "kubesgl.protocol"),  # the wire: every subject and message, carrying those values
     ("kubesgl.distributed", "kubesgl.kv", "kubesgl.text", "kubesgl.structured"),
     ("kubesgl.attention", "kubesgl.kernels"),
@@ -48,6 +52,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 
 # The engine and everything it stands on: it knows nothing of the wire, NATS, HTTP or metrics.
 LIBRARY = (
+    "kubesgl.env",
     "kubesgl.errors",
     "kubesgl.values",
     "kubesgl.distributed",

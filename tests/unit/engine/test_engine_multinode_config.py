@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 from kubesgl.cli import build_parser
 from kubesgl.engine.config import EngineConfig
-from kubesgl.engine.engine import Engine, local_ranks, run_node_ranks
+from kubesgl.engine.distributed import local_ranks, run_node_ranks
+from kubesgl.engine.engine import Engine
 from kubesgl.errors import InvalidRequestError
 from kubesgl.services.scheduler.app import engine_config
 

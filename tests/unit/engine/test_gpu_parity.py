@@ -50,25 +50,13 @@ def hf(checkpoint: str) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16).cuda().eval()
 
 
-@pytest.mark.parametrize(
-    ("backend", "linear"),
-    [
-        ("torch", "torch"),
-        ("triton", "torch"),
-        ("triton-planned", "torch"),
-        ("flashinfer", "torch"),
-        ("torch", "triton"),
-    ],
-    ids=["torch", "triton", "triton-planned", "flashinfer", "torch-attn-gemv"],
-)
+@pytest.mark.parametrize("backend", ["torch", "triton", "triton-planned", "flashinfer"])
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_teacher_forced_logits_close_to_hf(
-    checkpoint: str, hf: torch.nn.Module, backend: str, linear: str, page_size: int
+    checkpoint: str, hf: torch.nn.Module, backend: str, page_size: int
 ) -> None:
-    """Per attention backend, and with the projections on the Triton GEMV (`linear` "triton": the 100-token
-    prefill and every decode step take it, fused norms included)."""
+    """Per attention backend: a 100-token prefill, then teacher-forced decode steps."""
     model = load_model(checkpoint, tp=TPGroup(), device=torch.device("cuda"), dtype=torch.bfloat16)
-    model.set_linear_backend(linear)
     runner = SingleRequestRunner(model, page_size, max_tokens=256)
     try:
         runner.attn = create_backend(
@@ -95,19 +83,13 @@ def test_teacher_forced_logits_close_to_hf(
     assert torch.equal(ours_all.argmax(-1)[clear], ref.argmax(-1)[clear])
 
 
-@pytest.mark.parametrize(
-    ("attn", "linear"),
-    [("auto", "torch"), ("triton-planned", "triton")],
-    ids=["defaults", "triton-planned-gemv"],
-)
+@pytest.mark.parametrize("attn", ["auto", "triton-planned"], ids=["defaults", "triton-planned"])
 def test_engine_greedy_matches_hf_with_graphs_and_overlap(
-    checkpoint: str, hf: torch.nn.Module, attn: str, linear: str
+    checkpoint: str, hf: torch.nn.Module, attn: str
 ) -> None:
     rng = random.Random(1)
     prompts = [[rng.randrange(500) for _ in range(rng.randint(5, 60))] for _ in range(12)]
-    with LLM(
-        checkpoint, device="cuda", dtype="bfloat16", page_size=16, attn=attn, linear_backend=linear
-    ) as llm:
+    with LLM(checkpoint, device="cuda", dtype="bfloat16", page_size=16, attn=attn) as llm:
         assert llm.engine.overlap and llm.engine.runner.graphs is not None
         outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
     for p, out in zip(prompts, outs, strict=True):

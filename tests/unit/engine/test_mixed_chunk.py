@@ -17,8 +17,8 @@ import pytest
 import torch
 from kubesgl import LLM, SamplingParams
 from kubesgl.cli import build_parser
-from kubesgl.engine.plan import BatchPlan
-from kubesgl.engine.scheduler import Scheduler, SchedulerLimits, StepTokens
+from kubesgl.engine.plan import BatchPlan, StepTokens
+from kubesgl.engine.scheduler import Scheduler, SchedulerLimits
 from kubesgl.kv.page_pool import PagePool
 from kubesgl.kv.radix import RadixCache
 from kubesgl.models.random_init import build_random_model
@@ -77,7 +77,7 @@ def test_mixed_step_carries_every_decoder_after_the_prefill_rows() -> None:
     assert len(plan.tokens) == 29  # decode rows' tokens are in the token pool, not the plan
     assert plan.prefix_lens[1:] == [kv["d0"], kv["d1"], kv["d2"]]
     assert plan.sample == [False, True, True, True]
-    assert s.steps == {"extend": 1, "mixed": 1} and s.mixed_decode_rows == 3
+    assert s.counters.steps == {"extend": 1, "mixed": 1} and s.counters.mixed_decode_rows == 3
     plan = _run(s)  # the rest of the prompt, the decoders again
     assert plan.extend_lens == [21, 1, 1, 1] and plan.sample == [True, True, True, True]
     plan = _run(s)  # nothing left to prefill: a plain decode step, graph-eligible
@@ -89,7 +89,7 @@ def test_without_the_flag_prefill_steps_stall_decoders() -> None:
     _decoding(s, 3)
     s.add_request("long", _prompt(50, 9), GREEDY)
     assert _run(s).extend_lens == [32]
-    assert s.steps == {"extend": 2}
+    assert s.counters.steps == {"extend": 2}
 
 
 def test_decoders_filling_the_budget_leave_the_step_unmixed() -> None:
@@ -300,7 +300,7 @@ def test_abort_mid_mixed_steps_frees_everything(model: str) -> None:
         eng.add_request("other", _prompt(8, 3), long)
         for _ in range(2):
             seen += eng.step()
-        assert eng.scheduler.steps["mixed"] == 2
+        assert eng.scheduler.counters.steps["mixed"] == 2
         eng.abort("dec")
         eng.abort("chunked")  # mid-prefill
         while eng.has_work():

@@ -67,7 +67,7 @@ def test_temperature_tokens_draw_what_the_eager_sampler_draws() -> None:
     logits = torch.randn(len(slots), 300, generator=torch.Generator().manual_seed(1)) * 3
     torch.manual_seed(7)
     eager, *_ = sampler.sample(
-        logits, slots, [5] * len(slots), torch.zeros(8, 16, dtype=torch.int64), [-1] * 5
+        logits, slots, [5] * len(slots), torch.zeros(8, 16, dtype=torch.int64), [None] * 5
     )
     torch.manual_seed(7)
     slot_t = torch.tensor(slots)
@@ -75,16 +75,16 @@ def test_temperature_tokens_draw_what_the_eager_sampler_draws() -> None:
     assert fast.tolist() == eager.tolist()
     argmax = logits.argmax(dim=-1)
     assert fast[1] == argmax[1] and fast[4] == argmax[4]
-    assert sampler.graph_mode(slots, [-1] * 5) == "temperature"
+    assert sampler.graph_mode(slots, [None] * 5) == "temperature"
 
 
 def test_greedy_tokens_equal_the_eager_greedy_sampler() -> None:
     sampler = Sampler(4, CPU)
     sampler.init_slots([slot_init(0, temperature=0.0), slot_init(1, temperature=0.5, top_k=1)])
     logits = torch.randn(2, 100, generator=torch.Generator().manual_seed(2))
-    eager, *_ = sampler.sample(logits, [0, 1], [4, 4], torch.zeros(4, 8, dtype=torch.int64), [-1, -1])
+    eager, *_ = sampler.sample(logits, [0, 1], [4, 4], torch.zeros(4, 8, dtype=torch.int64), [None, None])
     assert greedy_tokens(logits).tolist() == eager.tolist()
-    assert sampler.graph_mode([0, 1], [-1, -1]) == "greedy"
+    assert sampler.graph_mode([0, 1], [None, None]) == "greedy"
 
 
 @pytest.mark.parametrize(
@@ -103,24 +103,24 @@ def test_greedy_tokens_equal_the_eager_greedy_sampler() -> None:
 def test_rows_needing_more_than_temperature_take_the_eager_sampler(params: dict) -> None:
     sampler = Sampler(4, CPU)
     sampler.init_slots([slot_init(0, temperature=0.8), slot_init(1, **params)])
-    assert sampler.graph_mode([0], [-1]) == "temperature"
-    assert sampler.graph_mode([0, 1], [-1, -1]) is None
+    assert sampler.graph_mode([0], [None]) == "temperature"
+    assert sampler.graph_mode([0, 1], [None, None]) is None
     sampler.init_slots([slot_init(1, temperature=0.0)])  # the slot reused by a plain greedy request
-    assert sampler.graph_mode([1], [-1]) == "greedy"
-    assert sampler.graph_mode([0, 1], [-1, -1]) == "temperature"
+    assert sampler.graph_mode([1], [None]) == "greedy"
+    assert sampler.graph_mode([0, 1], [None, None]) == "temperature"
 
 
 def test_greedy_rows_ignore_filters_they_cannot_use() -> None:
     sampler = Sampler(4, CPU)
     sampler.init_slots([slot_init(0, temperature=0.0, top_p=0.5, min_p=0.2, seed_given=True)])
-    assert sampler.graph_mode([0], [-1]) == "greedy"
+    assert sampler.graph_mode([0], [None]) == "greedy"
 
 
 def test_logprobs_take_the_eager_sampler() -> None:
     sampler = Sampler(4, CPU)
     sampler.init_slots([slot_init(0, temperature=0.0), slot_init(1)])
-    assert sampler.graph_mode([0, 1], [-1, 0]) is None
-    assert sampler.graph_mode([0, 1], [-1, -1]) == "temperature"
+    assert sampler.graph_mode([0, 1], [None, 0]) is None
+    assert sampler.graph_mode([0, 1], [None, None]) == "temperature"
 
 
 def test_page_cells_pack_rows_cols_pages_and_a_later_write_wins() -> None:

@@ -21,22 +21,21 @@ DECODE = [11, 400, 2]
 TIMEOUT_S = 120
 
 
-def run_request(path: Path, tp: TPGroup, linear: str = "torch") -> torch.Tensor:
+def run_request(path: Path, tp: TPGroup) -> torch.Tensor:
     """Prompt as one extend, then teacher-forced decode steps; all logits stacked."""
     model = load_model(path, tp=tp)
-    model.set_linear_backend(linear)
     runner = SingleRequestRunner(model, page_size=4)
     return torch.cat([runner.step(PROMPT)] + [runner.step([t]) for t in DECODE])
 
 
-def _rank_main(rank: int, size: int, port: int, paths: list[Path], results: mp.Queue, linear: str) -> None:
+def _rank_main(rank: int, size: int, port: int, paths: list[Path], results: mp.Queue) -> None:
     timeout = timedelta(seconds=60)
     store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=timeout)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=timeout)
     try:
         tp = TPGroup(rank, size, dist.group.WORLD, dist.new_group(backend="gloo"))
         for path in paths:
-            logits = run_request(path, tp, linear)
+            logits = run_request(path, tp)
             if rank == 0:
                 # As numpy: a torch tensor would travel as a shared-memory fd that dies with this process.
                 results.put((str(path), logits.numpy()))
@@ -44,7 +43,7 @@ def _rank_main(rank: int, size: int, port: int, paths: list[Path], results: mp.Q
         dist.destroy_process_group()
 
 
-def run_tp(paths: list[Path], size: int, linear: str = "torch") -> dict[str, torch.Tensor]:
+def run_tp(paths: list[Path], size: int) -> dict[str, torch.Tensor]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     # The rendezvous store listens before the ranks start, on a port the kernel picked (one passed by number
@@ -53,9 +52,7 @@ def run_tp(paths: list[Path], size: int, linear: str = "torch") -> dict[str, tor
         "127.0.0.1", 0, size, is_master=True, timeout=timedelta(seconds=60), wait_for_workers=False
     )
     port = store.port
-    procs = [
-        ctx.Process(target=_rank_main, args=(r, size, port, paths, results, linear)) for r in range(size)
-    ]
+    procs = [ctx.Process(target=_rank_main, args=(r, size, port, paths, results)) for r in range(size)]
     for p in procs:
         p.start()
     out: dict[str, torch.Tensor] = {}
@@ -92,24 +89,4 @@ def test_tp2_logits_match_tp1(tmp_path: Path) -> None:
         tol = logits_tolerance(path, context=len(PROMPT) + len(DECODE))
         torch.testing.assert_close(
             sharded[str(path)], expected, rtol=0, atol=tol, msg=lambda m, name=path.name: f"{name}: {m}"
-        )
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs the GEMV on CPU tensors only")
-@pytest.mark.slow  # 10-35 s on 2 busy cores: `make test` runs it, `make test-fast` does not
-def test_tp2_on_the_triton_gemv_matches_tp1(tmp_path: Path) -> None:
-    """Sharded projections through the Triton GEMV (Triton's interpreter): column-parallel shards take the
-    fused norm prologue (Qwen2: with the qkv bias in the epilogue), the row-parallel down projection the SiLU
-    prologue on its [gate | up] shard before the all-reduce, the LM head its vocab shard before the gather."""
-    paths = [
-        build_random_model("qwen3", tmp_path / "qwen3"),
-        build_random_model(
-            "qwen2", tmp_path / "qwen2", overrides={"vocab_size": 511}
-        ),  # qkv bias, padded vocab
-    ]
-    sharded = run_tp(paths, size=2, linear="triton")
-    for path in paths:
-        expected = run_request(path, TPGroup())
-        torch.testing.assert_close(
-            sharded[str(path)], expected, rtol=1e-5, atol=1e-4, msg=lambda m, name=path.name: f"{name}: {m}"
         )

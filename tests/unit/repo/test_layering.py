@@ -1,6 +1,7 @@
 """The import graph keeps to the declared layers (kubesgl.tools.imports.LAYERS): no cycle, no arrow up, and the
 engine library imports nothing of NATS, HTTP, metrics or the wire. The checker itself is shown failing on
-planted packages."""
+planted packages. Inside the engine, the device side never imports the scheduler, and no file outgrows one
+reader's sitting."""
 
 from __future__ import annotations
 
@@ -27,6 +28,40 @@ def test_kubesgl_imports_keep_to_the_layers() -> None:
     assert len(graph.files) > 100  # the walk saw the library and the services
     assert "kubesgl.services.scheduler.service" in graph.files
     assert check(graph) == []
+
+
+# The device side of the engine: it executes plans and returns step results, and knows nothing of how the
+# scheduler chose them (the plan and the step tokens, engine/plan.py, are all the two share).
+DEVICE_SIDE = (
+    "kubesgl.engine.runner",
+    "kubesgl.engine.step_result",
+    "kubesgl.engine.sampler",
+    "kubesgl.engine.cuda_graph",
+    "kubesgl.engine.distributed",
+)
+ENGINE_MAX_LINES = 400
+
+
+def test_the_device_side_of_the_engine_never_imports_the_scheduler() -> None:
+    graph = import_graph(kubesgl_roots())
+    assert "kubesgl.engine.scheduler.planner" in graph.files  # the scheduler is a package of rooms
+    arrows = [
+        f"{module} imports {imp.target} (line {imp.line})"
+        for module in DEVICE_SIDE
+        for imp in graph.imports[module]
+        if imp.target == "kubesgl.engine.scheduler" or imp.target.startswith("kubesgl.engine.scheduler.")
+    ]
+    assert arrows == []
+
+
+def test_no_engine_file_is_over_400_lines() -> None:
+    graph = import_graph(kubesgl_roots())
+    engine = {
+        m: p for m, p in graph.files.items() if m == "kubesgl.engine" or m.startswith("kubesgl.engine.")
+    }
+    assert len(engine) > 15
+    long = {m: n for m, p in engine.items() if (n := len(p.read_text().splitlines())) > ENGINE_MAX_LINES}
+    assert long == {}
 
 
 def test_a_cycle_through_a_function_level_import_is_found(tmp_path: Path) -> None:

@@ -449,7 +449,7 @@ def test_seeded_engine_sampling_never_picks_a_masked_token() -> None:
     logits = apply_token_bitmask_(torch.zeros(1, QWEN3_VOCAB), mask)
     sampler = Sampler(1, torch.device("cpu"))
     sampler.init_slots([SlotInit(0, 0, SamplingParams(temperature=1.0, seed=11), 11)])
-    token = sampler.sample(logits, [0], [71], torch.zeros(1, 1, dtype=torch.int64), [-1])[0]
+    token = sampler.sample(logits, [0], [71], torch.zeros(1, 1, dtype=torch.int64), [None])[0]
     assert int(token) != banned
 
 

@@ -20,7 +20,7 @@ children such as TP ranks included) and the counts so far; after the load, one l
 page pool (its stats subject) against the baseline taken before the load, and a summary line; then it prints
 the summary. Exit status 0 only when nothing hung, nothing was lost and the pool is back to its baseline.
 
-    .venv/bin/python benchmark/soak.py --minutes 15 --out soak.jsonl
+    .venv/bin/python loadtest/soak.py --minutes 15 --out soak.jsonl
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ from kubesgl.launcher import Stack, StackConfig
 from kubesgl.models.random_init import DEMO, resolve_demo
 from kubesgl.protocol import SchedulerStats, stats_subject
 
-# The load generators' prompt vocabulary and SSE reader (loadtest/; it is no package).
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "loadtest"))
+# The load generators' prompt vocabulary and SSE reader, beside this file (loadtest/ is no package).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sse_timing import StreamTimer  # noqa: E402
 from workload import prompt_text  # noqa: E402
 

@@ -1,0 +1,39 @@
+"""Every environment switch the library reads, in one place, read when asked (so a test's setenv is seen).
+
+Settings that have a flag are flags; these are the few that are not: a debugging or profiling switch, where
+the demo model is built, and the API key a client sends. NATS credentials (`service.nats_conn.NatsSettings`)
+and OpenTelemetry's own OTEL_* variables are read where they are used, from a mapping a test can give.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+_TRUE = ("1", "true", "True")
+
+
+def disable_overlap_scheduling() -> bool:
+    """KUBESGL_DISABLE_OVERLAP_SCHEDULING (or Mini-SGLang's MINISGL_DISABLE_OVERLAP_SCHEDULING) = 1/true."""
+    off = os.environ.get(
+        "KUBESGL_DISABLE_OVERLAP_SCHEDULING", os.environ.get("MINISGL_DISABLE_OVERLAP_SCHEDULING")
+    )
+    return off in _TRUE
+
+
+def step_profile() -> bool:
+    """KUBESGL_STEP_PROFILE set and not 0: the engine times each phase of its steps (engine/step_profile.py)."""
+    return os.environ.get("KUBESGL_STEP_PROFILE", "") not in ("", "0")
+
+
+def cache_dir() -> Path:
+    """Where the demo model is built: $KUBESGL_CACHE, else ~/.cache/kubesgl."""
+    return Path(os.environ.get("KUBESGL_CACHE") or Path.home() / ".cache" / "kubesgl")
+
+
+def api_key(openai_fallback: bool = False) -> str | None:
+    """The key a client sends the gateway: $KUBESGL_API_KEY (else, when asked, $OPENAI_API_KEY)."""
+    key = os.environ.get("KUBESGL_API_KEY")
+    if openai_fallback:
+        return key or os.environ.get("OPENAI_API_KEY")
+    return key
