@@ -20,29 +20,16 @@ import kubernetes_validate
 import pytest
 import yaml
 from kubesgl.cli import build_parser
+from support.chart import CHART, NAMESPACE, RELEASE, render
 from support.crd_schemas import crd_kinds, validate_custom_resource
 from test_kustomize import merged
 
-ROOT = Path(__file__).resolve().parents[2]
-CHART = ROOT / "charts" / "kubesgl"
 KUBE_VERSION = "1.32.0"
-RELEASE, NAMESPACE = "kubesgl", "llm"
 
 VALUE_SETS: dict[str, dict[str, Any]] = {"defaults": {}} | {
     path.name.removesuffix("-values.yaml"): yaml.safe_load(path.read_text())
     for path in sorted((CHART / "ci").glob("*-values.yaml"))
 }
-
-
-def render(values: dict[str, Any], chart: Path = CHART) -> list[dict[str, Any]]:
-    """Every object the chart renders for `values` (NOTES.txt left out)."""
-    with helm_python.Chart.load(chart) as loaded:
-        manifests = loaded.render(values, name=RELEASE, namespace=NAMESPACE)
-    objects = []
-    for template, text in manifests.items():
-        if not template.endswith("NOTES.txt"):
-            objects += [doc for doc in yaml.safe_load_all(text) if doc]
-    return objects
 
 
 def one(objects: list[dict[str, Any]], kind: str, component: str) -> dict[str, Any]:

@@ -14,8 +14,9 @@ from typing import Any
 
 import helm_python
 import pytest
+from support.chart import CHART, NAMESPACE, RELEASE, ROOT, render
 from support.fake_kube_api import FakeKubeAPI
-from test_chart import CHART, NAMESPACE, RELEASE, ROOT, VALUE_SETS, one, render
+from test_chart import VALUE_SETS, one
 from test_kustomize import merged
 
 ORPHAN = f"kubectl -n {NAMESPACE} delete statefulset {{name}} --cascade=orphan"
