@@ -252,18 +252,17 @@ def test_networkpolicy_isolates_nats() -> None:
     assert "kubesgl.io/nats-client" not in test_pod["metadata"]["labels"]
     # Only the gateway takes traffic; the other services accept scrapes of their admin port only.
     gateway = policies[f"{RELEASE}-gateway"]
+    np = VALUE_SETS["full-features"]["networkPolicy"]
     assert gateway["ingress"] == [
         {
             "ports": [{"port": "http", "protocol": "TCP"}],
-            "from": VALUE_SETS["full-features"]["networkPolicy"]["gatewayFrom"]
-            + [{"podSelector": {"matchLabels": _selector(test_pod)}}],
-        }
+            "from": np["gatewayFrom"] + [{"podSelector": {"matchLabels": _selector(test_pod)}}],
+        },
+        {"ports": [{"port": "http", "protocol": "TCP"}], "from": np["metricsFrom"]},
     ]
     for component in ("tokenizer", "detokenizer", "scheduler"):
         rules = policies[f"{RELEASE}-{component}"]["ingress"]
-        assert rules == [
-            {"ports": [{"port": "admin", "protocol": "TCP"}], "from": [{"namespaceSelector": {}}]}
-        ]
+        assert rules == [{"ports": [{"port": "admin", "protocol": "TCP"}], "from": np["metricsFrom"]}]
     for spec in policies.values():
         assert spec["policyTypes"] == ["Ingress"]
 
@@ -295,10 +294,10 @@ def test_helm_test_pod_gets_through_the_gateway_policy() -> None:
     gateway = next(
         o for o in objects if o["kind"] == "NetworkPolicy" and o["metadata"]["name"] == f"{RELEASE}-gateway"
     )
-    [rule] = gateway["spec"]["ingress"]
+    rule, _metrics = gateway["spec"]["ingress"]
     assert _admits(rule, test_pod)
     tokenizer_pod = one(objects, "Deployment", "tokenizer")["spec"]["template"]
-    assert not _admits(rule, tokenizer_pod)
+    assert not any(_admits(r, tokenizer_pod) for r in gateway["spec"]["ingress"])
     # Without the test pod, no rule for it; without gatewayFrom, every source is admitted anyway.
     quiet = merged(VALUE_SETS["full-features"], {"tests": {"enabled": False}})
     gateway = next(
@@ -497,25 +496,28 @@ def _matches(selector: dict[str, str], labels: dict[str, str]) -> bool:
     return all(labels.get(k) == v for k, v in selector.items())
 
 
+def pod_templates(objects: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Every workload's pod template by name (a LeaderWorkerSet's as <name>/leader and <name>/worker)."""
+    templates = {}
+    for o in objects:
+        if o["kind"] in ("Deployment", "StatefulSet"):
+            templates[o["metadata"]["name"]] = o["spec"]["template"]
+        elif o["kind"] == "LeaderWorkerSet":
+            lwt = o["spec"]["leaderWorkerTemplate"]
+            templates |= {f"{o['metadata']['name']}/{r}": lwt[f"{r}Template"] for r in ("leader", "worker")}
+    return templates
+
+
 def scrape_targets(objects: list[dict[str, Any]]) -> dict[tuple[str, int], list[str]]:
     """(pod template, container port) -> every scrape that reaches it: pod annotations, ServiceMonitor
     endpoints (through the Services it selects) and PodMonitor endpoints."""
     pods = []  # (template name, labels, annotations, {port name: number})
-    for o in objects:
-        templates = []
-        if o["kind"] in ("Deployment", "StatefulSet"):
-            templates = [(o["metadata"]["name"], o["spec"]["template"])]
-        elif o["kind"] == "LeaderWorkerSet":
-            lwt = o["spec"]["leaderWorkerTemplate"]
-            templates = [(f"{o['metadata']['name']}/{r}", lwt[f"{r}Template"]) for r in ("leader", "worker")]
-        for name, template in templates:
-            ports = {
-                p["name"]: p["containerPort"]
-                for c in template["spec"]["containers"]
-                for p in c.get("ports", [])
-            }
-            meta = template["metadata"]
-            pods.append((name, meta["labels"], meta.get("annotations", {}), ports))
+    for name, template in pod_templates(objects).items():
+        ports = {
+            p["name"]: p["containerPort"] for c in template["spec"]["containers"] for p in c.get("ports", [])
+        }
+        meta = template["metadata"]
+        pods.append((name, meta["labels"], meta.get("annotations", {}), ports))
     seen: dict[tuple[str, int], list[str]] = {}
     for name, _, pod_annotations, _ in pods:
         if pod_annotations.get("prometheus.io/scrape") == "true":
@@ -567,6 +569,52 @@ def test_each_target_is_scraped_once(value_set: str) -> None:
     assert set(seen) == metrics_ports
     # Worker pods of a multi-node instance serve no metrics (rank 0 counts for the whole instance).
     assert not [t for t in seen if t[0].endswith("/worker")]
+
+
+SCRAPE_PATHS = {
+    "serviceMonitor": {"serviceMonitor": {"enabled": True}, "podMonitor": {"enabled": False}},
+    "podMonitor": {"serviceMonitor": {"enabled": False}, "podMonitor": {"enabled": True}},
+    "annotations": {"serviceMonitor": {"enabled": False}, "podMonitor": {"enabled": False}},
+}
+
+
+def _admitted(objects: list[dict[str, Any]], template: dict[str, Any], port: int, peers: list[Any]) -> bool:
+    """Whether the NetworkPolicies selecting the pod let every one of `peers` reach its container `port`."""
+    names = {
+        p["containerPort"]: p["name"] for c in template["spec"]["containers"] for p in c.get("ports", [])
+    }
+    policies = [
+        o["spec"]
+        for o in objects
+        if o["kind"] == "NetworkPolicy"
+        and _matches(o["spec"]["podSelector"].get("matchLabels", {}), template["metadata"]["labels"])
+    ]
+    if not policies:
+        return True  # an unselected pod is not isolated
+    return any(
+        ("ports" not in rule or any(p["port"] in (port, names[port]) for p in rule["ports"]))
+        and (not rule.get("from") or all(peer in rule["from"] for peer in peers))
+        for spec in policies
+        for rule in spec.get("ingress", [])
+    )
+
+
+@pytest.mark.parametrize("scrape", sorted(SCRAPE_PATHS))
+@pytest.mark.parametrize("value_set", sorted(VALUE_SETS))
+def test_network_policy_admits_every_scrape_from_metrics_from(value_set: str, scrape: str) -> None:
+    """With NetworkPolicies on, Prometheus (networkPolicy.metricsFrom) reaches every port it is told to scrape,
+    the gateway's too (its API port serves /metrics)."""
+    values = merged(
+        VALUE_SETS[value_set], {"networkPolicy": {"enabled": True}, "metrics": SCRAPE_PATHS[scrape]}
+    )
+    objects = render(values)
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text())["networkPolicy"]["metricsFrom"]
+    peers = values["networkPolicy"].get("metricsFrom", defaults)
+    templates = pod_templates(objects)
+    targets = scrape_targets(objects)
+    assert targets
+    refused = [t for t in targets if not _admitted(objects, templates[t[0]], t[1], peers)]
+    assert refused == []
 
 
 def test_both_monitors_are_refused() -> None:

@@ -19,7 +19,7 @@ import pytest
 from conftest import TEST_SCHEDULER_ARGS, StackFactory
 from kubesgl.launcher import Stack
 from support.chart import NAMESPACE, render
-from support.dashboard_queries import concrete, dashboards, exprs
+from support.dashboard_queries import concrete, dashboards, exprs, panels
 from support.local_stack import BackgroundLoad, metrics_targets, model_name
 from support.operator_scrape import TARGET_LABELS, pods, scrape_configs
 from support.prometheus_server import PrometheusServer
@@ -92,6 +92,17 @@ def wait_firing(prometheus: PrometheusServer, names: set[str], timeout_s: float)
     return fired
 
 
+def panel_expr(title: str) -> str:
+    [expr] = [
+        t["expr"]
+        for dash in dashboards().values()
+        for p in panels(dash)
+        if p.get("title") == title
+        for t in p["targets"]
+    ]
+    return concrete(expr)
+
+
 def series_labels(prometheus: PrometheusServer) -> list[dict[str, str]]:
     return prometheus.api("series", **{"match[]": '{__name__=~"kubesgl_.+|sglang:.+"}'})
 
@@ -111,6 +122,8 @@ class Observed:
     fired_without_scheduler: dict[str, list[dict[str, str]]]  # after the last fault: no scheduler
     empty_queries: list[str]  # dashboard queries without data
     series: dict[str, list[dict[str, str]]]  # every kubesgl series' labels, by monitor kind
+    index_blocks: list[dict[str, str]]  # the "Prefix index blocks per instance" panel's series
+    schedulers: list[str]  # the stack's scheduler instance ids
 
 
 def inject_faults(stack: Stack, prometheus: PrometheusServer) -> dict[str, list[dict[str, str]]]:
@@ -164,6 +177,9 @@ def observed(stack_factory: StackFactory, tmp_path_factory: pytest.TempPathFacto
             later = live_alerts - {*NOT_LIVE, *LOAD_ALERTS, "KubesglNoLiveScheduler"}
             fired |= wait_firing(prometheus, later, timeout_s=30)
             empty = empty_dashboard_queries(prometheus)
+            index_blocks = [
+                r["metric"] for r in prometheus.query(panel_expr("Prefix index blocks per instance"))
+            ]
             series = {"ServiceMonitor": series_labels(prometheus)}
             # The same pods under the PodMonitor's scrape jobs (a second Prometheus: one scrape path at a time).
             by_pods = operator_prometheus(
@@ -178,7 +194,8 @@ def observed(stack_factory: StackFactory, tmp_path_factory: pytest.TempPathFacto
             scheduler.proc.kill()
             scheduler.proc.wait(10)
             without = wait_firing(prometheus, {"KubesglNoLiveScheduler"}, timeout_s=20)
-            return Observed(fired, without, empty, series)
+            schedulers = [str(s.instance_id) for s in stack.services.values() if s.kind == "scheduler"]
+            return Observed(fired, without, empty, series, index_blocks, schedulers)
         finally:
             prometheus.stop()
     finally:
@@ -203,6 +220,12 @@ def test_series_keep_the_apps_labels(observed: Observed, monitor_kind: str) -> N
     for labels in series:
         assert TARGET_LABELS[monitor_kind] <= labels.keys(), labels
         assert labels["namespace"] == NAMESPACE and labels["pod"].startswith("kubesgl-"), labels
+
+
+def test_index_blocks_panel_shows_scheduler_instances(observed: Observed) -> None:
+    """Grouped by the router's scheduler instance, not by Prometheus's `instance` (the tokenizer's address)."""
+    assert [set(m) for m in observed.index_blocks] == [{"scheduler_instance"}]
+    assert [m["scheduler_instance"] for m in observed.index_blocks] == observed.schedulers
 
 
 def test_every_dashboard_query_returns_data(observed: Observed) -> None:
