@@ -450,6 +450,9 @@ def test_keda_scales_schedulers_on_queue_depth() -> None:
     # Never to zero, never scaled down blind, and one new instance per model load.
     assert scaled["minReplicaCount"] >= 1
     assert scaled["fallback"] == {"failureThreshold": 3, "replicas": 1, "behavior": "currentReplicasIfHigher"}
+    # A vanished metric (the query's result empty: test_prometheus_queries.py) is a failure the fallback counts,
+    # not a queue of 0.
+    assert trigger["ignoreNullValues"] == "false"
     behavior = scaled["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
     assert behavior["scaleUp"]["policies"] == [{"type": "Pods", "value": 1, "periodSeconds": 300}]
     assert behavior["scaleDown"]["stabilizationWindowSeconds"] == 900
