@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -298,3 +299,58 @@ def test_the_refusal_points_at_a_documented_section() -> None:
     from test_alerts import _anchors
 
     assert "changes-kubernetes-refuses" in _anchors((ROOT / "docs" / "operations.md").read_text())
+
+
+# -- the recovery from a selector change, against the StatefulSet controller's naming rule --------------------
+def _replace_steps(text: str) -> list[tuple[str, int]]:
+    """The pod steps of a recovery text's `for n in $(seq 0 ...)` loop, for ordinals 0..2: ("delete" | "ready", n)."""
+    start = text.find("for n in $(seq 0 ")
+    if start < 0:
+        return []
+    body = re.findall(r"delete pod \S+-\$n|wait --for=condition=Ready pod/\S+-\$n", text[start:])
+    return [("delete" if "delete" in step else "ready", n) for n in range(3) for step in body]
+
+
+def _statefulset_recovers(steps: list[tuple[str, int]], policy: str, replicas: int = 3) -> bool:
+    """Runs `steps` after the orphaning and the upgrade: every ordinal is still an orphaned old pod. The new
+    StatefulSet creates pod <name>-<N> only while no pod has that name (and, OrderedReady, once every lower
+    ordinal of its own is Ready); a "ready" step waits for the new pod N, forever if it cannot start."""
+    pods = dict.fromkeys(range(replicas), "orphan")
+
+    def reconcile() -> None:
+        for n in range(replicas):
+            if n not in pods:
+                pods[n] = "new"  # created and (in this model) Ready at once
+            if policy == "OrderedReady" and pods[n] != "new":
+                return
+
+    reconcile()
+    for action, n in steps:
+        if action == "delete":
+            pods.pop(n, None)
+        elif pods.get(n) != "new":
+            return False  # waits for a pod that cannot start
+        reconcile()
+    return all(state == "new" for state in pods.values())
+
+
+def _statefulset_recovery_texts(cluster: FakeKubeAPI) -> dict[str, str]:
+    cluster.install(render({"fullnameOverride": "kubesgl"}), NAMESPACE)
+    with pytest.raises(helm_python.HelmError) as refused:
+        render_installed(cluster, {"fullnameOverride": "kubesgl", "nameOverride": "llm"})
+    section = (ROOT / "docs" / "operations.md").read_text().split("#### A selector change", 1)[1]
+    return {"the refusal": str(refused.value), "docs/operations.md": section.split("\n#", 1)[0]}
+
+
+@pytest.mark.parametrize("policy", ["Parallel", "OrderedReady"])
+def test_selector_change_recovery_replaces_statefulset_pods_in_an_order_that_finishes(
+    policy: str, cluster: FakeKubeAPI
+) -> None:
+    """A StatefulSet's new pods have the orphans' names, so "delete the orphans once the new ones are Ready"
+    never finishes; the texts must delete each orphan before waiting for its replacement."""
+    waiting_first = [("ready", 0), ("delete", 0)]
+    assert not _statefulset_recovers(waiting_first, policy)
+    for where, text in _statefulset_recovery_texts(cluster).items():
+        steps = _replace_steps(text)
+        assert steps, f"{where}: no per-ordinal replacement steps"
+        assert _statefulset_recovers(steps, policy), (where, steps)

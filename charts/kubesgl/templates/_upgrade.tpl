@@ -20,7 +20,9 @@ object's canonical form ("50Gi") equals the values' spelling ("51200Mi"). */}}
 "spec.x" "after" "what to do once the upgrade went through"). */}}
 {{- define "kubesgl.refuseImmutable" -}}
 {{- $ns := .root.Release.Namespace -}}
-{{- fail (printf "\nupgrade refused: %s changed (installed: %v, now: %v), but %s %s keeps it in %s, which Kubernetes does not let an upgrade change.\nTo apply it: kubectl -n %s delete %s %s --cascade=orphan  (its pods keep running and serving), then run the same helm upgrade again: the new %s adopts the running pods.\n%s\nOr keep the installed setting in your values. docs/operations.md#changes-kubernetes-refuses explains each case." .value .was .now .kind .name .field $ns (lower .kind) .name .kind .after) -}}
+{{- $adopts := printf "the new %s adopts the running pods" .kind -}}
+{{- if eq .field "spec.selector" }}{{ $adopts = printf "the new %s starts its own pods (the running ones no longer match its selector)" .kind }}{{ end -}}
+{{- fail (printf "\nupgrade refused: %s changed (installed: %v, now: %v), but %s %s keeps it in %s, which Kubernetes does not let an upgrade change.\nTo apply it: kubectl -n %s delete %s %s --cascade=orphan  (its pods keep running and serving), then run the same helm upgrade again: %s.\n%s\nOr keep the installed setting in your values. docs/operations.md#changes-kubernetes-refuses explains each case." .value .was .now .kind .name .field $ns (lower .kind) .name $adopts .after) -}}
 {{- end -}}
 
 {{/* The installed object's selector must equal the one this render gives it:
@@ -30,7 +32,14 @@ object's canonical form ("50Gi") equals the values' spelling ("51200Mi"). */}}
 {{- $want := include "kubesgl.selectorLabels" $ctx | fromYaml -}}
 {{- $have := dig "spec" "selector" "matchLabels" dict .live -}}
 {{- if ne (toJson $have) (toJson $want) -}}
-{{- include "kubesgl.refuseImmutable" (dict "root" .root "value" "nameOverride (the app.kubernetes.io/name selector label)" "was" (toJson $have) "now" (toJson $want) "kind" .kind "name" .live.metadata.name "field" "spec.selector" "after" (printf "The orphaned old pods do not match the new selector: delete them once the new ones are Ready (kubectl -n %s delete pod -l app.kubernetes.io/instance=%s,app.kubernetes.io/component=%s,app.kubernetes.io/name=%s)." .root.Release.Namespace .root.Release.Name .component (get $have "app.kubernetes.io/name"))) -}}
+{{- $ns := .root.Release.Namespace -}}
+{{- $name := .live.metadata.name -}}
+{{- $after := printf "The orphaned old pods do not match the new selector: delete them once the new ones are Ready (kubectl -n %s rollout status deployment/%s, then kubectl -n %s delete pod -l app.kubernetes.io/instance=%s,app.kubernetes.io/component=%s,app.kubernetes.io/name=%s)." $ns $name $ns .root.Release.Name .component (get $have "app.kubernetes.io/name") -}}
+{{- if eq .kind "StatefulSet" -}}
+{{- /* A StatefulSet's pods are named <name>-<ordinal>: a new pod cannot start while its orphan holds the name. */ -}}
+{{- $after = printf "The new StatefulSet's pods take the orphans' names (%s-<N>), so each starts only once its orphan is gone: replace them one at a time, lowest ordinal first (each is down for its restart): for n in $(seq 0 %d); do kubectl -n %s delete pod %s-$n; until kubectl -n %s wait --for=condition=Ready pod/%s-$n --timeout=60m; do sleep 5; done; done" $name (sub (int (dig "spec" "replicas" 1 .live)) 1) $ns $name $ns $name -}}
+{{- end -}}
+{{- include "kubesgl.refuseImmutable" (dict "root" .root "value" "nameOverride (the app.kubernetes.io/name selector label)" "was" (toJson $have) "now" (toJson $want) "kind" .kind "name" $name "field" "spec.selector" "after" $after) -}}
 {{- end -}}
 {{- end -}}
 
