@@ -15,6 +15,7 @@ from typing import Any
 
 import helm_python
 import pytest
+import yaml
 from support.chart import CHART, NAMESPACE, RELEASE, ROOT, render
 from support.fake_kube_api import FakeKubeAPI
 from test_chart import VALUE_SETS, one
@@ -47,6 +48,7 @@ def cluster() -> Iterator[FakeKubeAPI]:
 HF_SIZE = {"model": {"huggingface": {"storage": {"size": "80Gi"}}}}
 PVC_SOURCE = {"model": {"source": "pvc", "pvc": {"claimName": "models"}}}
 FULL = VALUE_SETS["full-features"]
+MULTI = VALUE_SETS["multinode-gpu"]
 
 # case -> (installed values, new values, the refusal names, the StatefulSet/Deployment it names)
 REFUSED: dict[str, tuple[dict[str, Any], dict[str, Any], str, str]] = {
@@ -104,6 +106,24 @@ REFUSED: dict[str, tuple[dict[str, Any], dict[str, Any], str, str]] = {
         "nats.bundled.jetstream.size changed (installed: 10Gi, now: 20Gi)",
         "statefulset kubesgl-nats",
     ),
+    "multi-node model volume size": (
+        MULTI,
+        merged(MULTI, {"model": {"huggingface": {"storage": {"size": "600Gi"}}}}),
+        "model.huggingface.storage.size changed (installed: 500Gi, now: 600Gi)",
+        "leaderworkerset kubesgl-scheduler",
+    ),
+    "multi-node model StorageClass": (
+        MULTI,
+        merged(MULTI, {"model": {"huggingface": {"storage": {"storageClassName": "slow-hdd"}}}}),
+        "model.huggingface.storage.storageClassName changed (installed: fast-ssd, now: slow-hdd)",
+        "leaderworkerset kubesgl-scheduler",
+    ),
+    "multi-node model source huggingface to pvc": (
+        MULTI,
+        merged(MULTI, PVC_SOURCE),
+        "model.source changed (installed: huggingface, now: pvc)",
+        "leaderworkerset kubesgl-scheduler",
+    ),
     "selector labels": (
         {"fullnameOverride": "kubesgl"},
         {"fullnameOverride": "kubesgl", "nameOverride": "llm"},
@@ -126,6 +146,11 @@ def test_upgrade_refuses_an_immutable_change(case: str, cluster: FakeKubeAPI) ->
     assert "which Kubernetes does not let an upgrade change" in message
     if target.startswith("statefulset "):
         assert ORPHAN.format(name=target.removeprefix("statefulset ")) in message
+    elif target.startswith("leaderworkerset "):
+        # Its StatefulSets (made by the LWS controller) hold the old templates: orphaning would not help.
+        assert f"kubectl -n {NAMESPACE} delete {target} (every group stops" in message
+        assert "--cascade=orphan" not in message
+        assert "spec.leaderWorkerTemplate.volumeClaimTemplates" in message
     else:
         assert "--cascade=orphan" in message and target in message
     assert "then run the same helm upgrade again" in message
@@ -152,6 +177,19 @@ def test_upgrade_allows_mutable_changes(case: str, cluster: FakeKubeAPI) -> None
     cluster.install(render({}), NAMESPACE)
     # The installed objects change nothing in the output: the render is the offline one, byte for byte.
     assert render_installed(cluster, MUTABLE[case]) == render_text(MUTABLE[case])
+
+
+def test_multinode_upgrade_reads_the_leaderworkerset_and_allows_mutable_changes(cluster: FakeKubeAPI) -> None:
+    cluster.install(render(MULTI), NAMESPACE)
+    more = merged(
+        MULTI, {"scheduler": {"replicas": 3}, "model": {"huggingface": {"storage": {"size": "512000Mi"}}}}
+    )
+    assert render_installed(cluster, more) == render_text(more)
+    gets = {path for method, path in cluster.requests if method == "GET"}
+    assert (
+        f"/apis/leaderworkerset.x-k8s.io/v1/namespaces/{NAMESPACE}/leaderworkersets/{RELEASE}-scheduler"
+        in gets
+    )
 
 
 def test_lookup_reads_the_installed_objects(cluster: FakeKubeAPI) -> None:
@@ -354,3 +392,35 @@ def test_selector_change_recovery_replaces_statefulset_pods_in_an_order_that_fin
         steps = _replace_steps(text)
         assert steps, f"{where}: no per-ordinal replacement steps"
         assert _statefulset_recovers(steps, policy), (where, steps)
+
+
+# -- the LeaderWorkerSet version the chart needs ----------------------------------------------------------------
+def _lws_crd(with_claim_templates: bool) -> dict[str, Any]:
+    """The vendored LWS CRD (tests/data/crds, after v0.8.0), or that CRD as v0.7.0 published it in the fields
+    that matter here: v0.7.0's spec.leaderWorkerTemplate has neither volumeClaimTemplates nor
+    persistentVolumeClaimRetentionPolicy (both came in v0.8.0; `git show v0.7.0:config/crd/bases/...` in
+    kubernetes-sigs/lws)."""
+    path = ROOT / "tests" / "data" / "crds" / "leaderworkerset.x-k8s.io_leaderworkersets.yaml"
+    [crd] = [d for d in yaml.safe_load_all(path.read_text()) if d]
+    if not with_claim_templates:
+        for version in crd["spec"]["versions"]:
+            template = version["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+            template["leaderWorkerTemplate"]["properties"].pop("volumeClaimTemplates")
+            template["leaderWorkerTemplate"]["properties"].pop("persistentVolumeClaimRetentionPolicy")
+    return crd
+
+
+def test_multinode_install_needs_lws_with_claim_templates(cluster: FakeKubeAPI) -> None:
+    cluster.add(_lws_crd(with_claim_templates=True), NAMESPACE)
+    render_installed(cluster, MULTI)  # v0.8.0 or later: fine
+    cluster.add(_lws_crd(with_claim_templates=False), NAMESPACE)
+    with pytest.raises(
+        helm_python.HelmError, match=r"needs LeaderWorkerSet \(kubernetes-sigs/lws\) v0.8.0 or later"
+    ):
+        render_installed(cluster, MULTI)
+    # Without a cluster (helm template, Argo CD) lookup reads nothing and the render goes on.
+    render_text(MULTI)
+    # A single-node release never asks.
+    cluster.requests.clear()
+    render_installed(cluster, {})
+    assert not [p for _, p in cluster.requests if "customresourcedefinitions" in p]

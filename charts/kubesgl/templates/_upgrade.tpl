@@ -17,12 +17,14 @@ object's canonical form ("50Gi") equals the values' spelling ("51200Mi"). */}}
 {{- end -}}
 
 {{/* Fails the render: (dict "root" $ "value" "x.y" "was" .. "now" .. "kind" "StatefulSet" "name" .. "field"
-"spec.x" "after" "what to do once the upgrade went through"). */}}
+"spec.x" "after" "what to do once the upgrade went through"), and optionally "apply": how to apply it, where
+orphaning the object and upgrading again (the default) does not work. */}}
 {{- define "kubesgl.refuseImmutable" -}}
 {{- $ns := .root.Release.Namespace -}}
 {{- $adopts := printf "the new %s adopts the running pods" .kind -}}
 {{- if eq .field "spec.selector" }}{{ $adopts = printf "the new %s starts its own pods (the running ones no longer match its selector)" .kind }}{{ end -}}
-{{- fail (printf "\nupgrade refused: %s changed (installed: %v, now: %v), but %s %s keeps it in %s, which Kubernetes does not let an upgrade change.\nTo apply it: kubectl -n %s delete %s %s --cascade=orphan  (its pods keep running and serving), then run the same helm upgrade again: %s.\n%s\nOr keep the installed setting in your values. docs/operations.md#changes-kubernetes-refuses explains each case." .value .was .now .kind .name .field $ns (lower .kind) .name $adopts .after) -}}
+{{- $apply := printf "kubectl -n %s delete %s %s --cascade=orphan  (its pods keep running and serving), then run the same helm upgrade again: %s." $ns (lower .kind) .name $adopts -}}
+{{- fail (printf "\nupgrade refused: %s changed (installed: %v, now: %v), but %s %s keeps it in %s, which Kubernetes does not let an upgrade change.\nTo apply it: %s\n%s\nOr keep the installed setting in your values. docs/operations.md#changes-kubernetes-refuses explains each case." .value .was .now .kind .name .field (default $apply .apply) .after) -}}
 {{- end -}}
 
 {{/* The installed object's selector must equal the one this render gives it:
@@ -46,15 +48,17 @@ object's canonical form ("50Gi") equals the values' spelling ("51200Mi"). */}}
 {{/* One volumeClaimTemplate of an installed StatefulSet against what this render wants:
 (dict "root" $ "live" sts "claim" "model" "want" (dict "size" "accessModes" "storageClassName") or nil
  "presence" (dict "value" "model.source" "was" .. "now" ..) "size" "x.size" "class" "x.storageClassName"
- "modes" "x.accessModes" "after" (dict "presence" .. "size" .. "class" ..)). */}}
+ "modes" "x.accessModes" "after" (dict "presence" .. "size" .. "class" ..)); for a LeaderWorkerSet also
+ "kind" "LeaderWorkerSet" "claims" (its claim templates) "field" (where they are) "apply" (the recovery). */}}
 {{- define "kubesgl.checkClaim" -}}
 {{- $live := .live -}}
 {{- $name := $live.metadata.name -}}
 {{- $found := dict -}}
-{{- range (dig "spec" "volumeClaimTemplates" list $live) }}
+{{- range (default (dig "spec" "volumeClaimTemplates" list $live) .claims) }}
 {{- if eq .metadata.name $.claim }}{{ $found = . }}{{ end }}
 {{- end }}
-{{- $base := dict "root" .root "kind" "StatefulSet" "name" $name "field" (printf "spec.volumeClaimTemplates (claim %q)" .claim) -}}
+{{- $field := printf "%s (claim %q)" (default "spec.volumeClaimTemplates" .field) .claim -}}
+{{- $base := dict "root" .root "kind" (default "StatefulSet" .kind) "name" $name "field" $field "apply" .apply -}}
 {{- if ne (empty $found) (empty .want) -}}
 {{- include "kubesgl.refuseImmutable" (merge (dict "value" .presence.value "was" .presence.was "now" .presence.now "after" .after.presence) $base) -}}
 {{- else if .want -}}
