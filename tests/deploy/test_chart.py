@@ -910,3 +910,23 @@ def test_helm_test_pod_calls_models(tmp_path: Path) -> None:
     assert FakeGatewayModelsHandler.seen_auth == ["Bearer sk-first"]
     failed = run_test_pod_script(pod, ["some-other-model"], tmp_path)
     assert failed.returncode != 0 and "FAIL" in failed.stderr
+
+
+def test_every_image_can_be_pinned_by_digest() -> None:
+    """Each image block takes a `digest` (sha256:...) that wins over its tag, the NATS server's and exporter's
+    too, so a release can run exactly the images it was tested with."""
+    digest = "sha256:" + "ab" * 32
+    pinned = {"digest": digest}
+    values = merged(
+        VALUE_SETS["full-features"],
+        {
+            "image": {"cpu": pinned, "cpuScheduler": pinned, "cuda": pinned},
+            "nats": {"bundled": {"image": pinned, "metrics": {"image": pinned}}},
+        },
+    )
+    for where, pod in pod_specs(render(values)):
+        for c in pod.get("initContainers", []) + pod["containers"]:
+            assert c["image"].endswith("@" + digest), (where, c["name"], c["image"])
+    # By default: tags (the chart's appVersion for kubesgl's own images).
+    default = {c["image"] for _, pod in pod_specs(render({})) for c in pod["containers"]}
+    assert "ghcr.io/kubesgl/kubesgl:0.1.0" in default and not [i for i in default if "@" in i]
