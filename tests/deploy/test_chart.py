@@ -930,3 +930,28 @@ def test_every_image_can_be_pinned_by_digest() -> None:
     # By default: tags (the chart's appVersion for kubesgl's own images).
     default = {c["image"] for _, pod in pod_specs(render({})) for c in pod["containers"]}
     assert "ghcr.io/kubesgl/kubesgl:0.1.0" in default and not [i for i in default if "@" in i]
+
+
+@pytest.mark.parametrize("component", ["gateway", "tokenizer", "detokenizer"])
+def test_stateless_services_survive_a_node_drain(component: str) -> None:
+    """A PDB lets a drain take one replica at a time; tokenizer and detokenizer spread over nodes by default, so
+    one node's loss leaves their queue group serving."""
+    objects = render({})
+    labels = one(objects, "Deployment", component)["spec"]["template"]["metadata"]["labels"]
+    pdb = one(objects, "PodDisruptionBudget", component)["spec"]
+    assert pdb["maxUnavailable"] == 1 and _matches(pdb["selector"]["matchLabels"], labels)
+    if component != "gateway":
+        [spread] = one(objects, "Deployment", component)["spec"]["template"]["spec"][
+            "topologySpreadConstraints"
+        ]
+        assert (
+            spread["topologyKey"] == "kubernetes.io/hostname"
+            and spread["whenUnsatisfiable"] == "ScheduleAnyway"
+        )
+        assert _matches(spread["labelSelector"]["matchLabels"], labels)
+    off = render({component: {"pdb": {"enabled": False}}})
+    assert not [
+        o
+        for o in off
+        if o["kind"] == "PodDisruptionBudget" and o["metadata"]["name"].endswith(f"-{component}")
+    ]
