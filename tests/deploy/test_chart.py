@@ -379,6 +379,42 @@ def test_bundled_nats_pdb_spread_and_exporter_probes() -> None:
     )
 
 
+def credential_files(pod: dict[str, Any], container_spec: dict[str, Any]) -> dict[str, tuple[str, str]]:
+    """KUBESGL_NATS_*_FILE variables -> the (Secret, key) the file they name is mounted from."""
+    mounts = {m["mountPath"]: m["name"] for m in container_spec.get("volumeMounts", [])}
+    volumes = {v["name"]: v for v in pod.get("volumes", [])}
+    found = {}
+    for name, value in env(container_spec).items():
+        if name.startswith("KUBESGL_NATS_") and name.endswith("_FILE"):
+            directory, _, file = value.rpartition("/")
+            secret = volumes[mounts[directory]]["secret"]
+            [key] = [i["key"] for i in secret["items"] if i["path"] == file]
+            found[name] = (secret["secretName"], key)
+    return found
+
+
+def test_no_container_takes_a_nats_credential_from_its_environment() -> None:
+    """Credentials reach kubesgl's containers as files from the mounted Secret (KUBESGL_NATS_*_FILE), so they
+    show in no `kubectl describe`, process environment or crash dump."""
+    for value_set, values in VALUE_SETS.items():
+        for where, pod in pod_specs(render(values)):
+            for c in pod.get("initContainers", []) + pod["containers"]:
+                refs = [e["name"] for e in c.get("env", []) if "secretKeyRef" in e.get("valueFrom", {})]
+                if c["name"] in ("nats", "credentials") or where.endswith("nats-credentials"):
+                    continue  # the NATS server's own config reads its token from the environment
+                assert not [r for r in refs if r.startswith("KUBESGL_NATS_")], (
+                    value_set,
+                    where,
+                    c["name"],
+                    refs,
+                )
+                if (
+                    "KUBESGL_NATS_URL" in env(c)
+                    and values.get("nats", {}).get("auth", {}).get("mode") != "none"
+                ):
+                    assert credential_files(pod, c), (value_set, where, c["name"])
+
+
 def test_external_nats_runs_no_server_and_uses_secret_credentials() -> None:
     values = VALUE_SETS["external-nats"]
     objects = render(values)
@@ -393,9 +429,10 @@ def test_external_nats_runs_no_server_and_uses_secret_credentials() -> None:
         variables = env(spec["containers"][0])
         assert variables["KUBESGL_NATS_URL"] == values["nats"]["external"]["url"]
         secret = values["nats"]["auth"]["existingSecret"]
-        assert variables["KUBESGL_NATS_USER"] == {"secretKeyRef": {"name": secret, "key": "user"}}
-        assert variables["KUBESGL_NATS_PASSWORD"] == {"secretKeyRef": {"name": secret, "key": "password"}}
-        assert "KUBESGL_NATS_TOKEN" not in variables
+        assert credential_files(spec, spec["containers"][0]) == {
+            "KUBESGL_NATS_USER_FILE": (secret, "user"),
+            "KUBESGL_NATS_PASSWORD_FILE": (secret, "password"),
+        }
         assert variables["KUBESGL_NATS_TLS_CA"] == "/etc/kubesgl/nats-tls/ca.crt"
         assert variables["KUBESGL_NATS_TLS_CERT"] == "/etc/kubesgl/nats-tls/tls.crt"
         tls_volume = next(v for v in spec["volumes"] if v["name"] == "nats-tls")
@@ -411,8 +448,9 @@ def test_bundled_nats_enforces_the_token_the_services_send() -> None:
     assert env(server)["NATS_TOKEN"] == {"secretKeyRef": {"name": secret_name, "key": token_key}}
     conf = one(objects, "ConfigMap", "nats")["data"]["nats.conf"]
     assert "token: $NATS_TOKEN" in conf and "max_payload: 8388608" in conf
-    gateway = container(objects, "Deployment", "gateway")
-    assert env(gateway)["KUBESGL_NATS_TOKEN"] == env(server)["NATS_TOKEN"]
+    gateway_pod = one(objects, "Deployment", "gateway")["spec"]["template"]["spec"]
+    gateway = gateway_pod["containers"][0]
+    assert credential_files(gateway_pod, gateway) == {"KUBESGL_NATS_TOKEN_FILE": (secret_name, token_key)}
     assert env(gateway)["KUBESGL_NATS_URL"] == f"nats://{RELEASE}-nats:4222"
 
 

@@ -18,7 +18,7 @@ import pytest
 import yaml
 from support.chart import CHART, NAMESPACE, RELEASE, ROOT, render
 from support.fake_kube_api import FakeKubeAPI
-from test_chart import VALUE_SETS, one
+from test_chart import VALUE_SETS, credential_files, one
 from test_kustomize import merged
 
 ORPHAN = f"kubectl -n {NAMESPACE} delete statefulset {{name}} --cascade=orphan"
@@ -328,9 +328,10 @@ def test_existing_secret_renders_no_job() -> None:
     ):
         objects = render(values)
         assert not [o for o in objects if o["kind"] in ("Job", "Role", "RoleBinding", "Secret")], values
-    gateway = one(render({"nats": {"auth": {"existingSecret": "mine"}}}), "Deployment", "gateway")
-    env = {e["name"]: e.get("valueFrom") for e in gateway["spec"]["template"]["spec"]["containers"][0]["env"]}
-    assert env["KUBESGL_NATS_TOKEN"] == {"secretKeyRef": {"name": "mine", "key": "token"}}
+    pod = one(render({"nats": {"auth": {"existingSecret": "mine"}}}), "Deployment", "gateway")["spec"][
+        "template"
+    ]["spec"]
+    assert credential_files(pod, pod["containers"][0]) == {"KUBESGL_NATS_TOKEN_FILE": ("mine", "token")}
 
 
 def test_the_refusal_points_at_a_documented_section() -> None:
