@@ -136,11 +136,13 @@ def inject_faults(stack: Stack, prometheus: PrometheusServer) -> dict[str, list[
         fired = wait_firing(prometheus, LOAD_ALERTS, timeout_s=60)
         for _ in range(2):
             # The detokenizer stops answering for longer than --detok-timeout: batches are sent again.
+            # Stopped until a timeout is scraped (a fixed pause may fall where no batch is sent).
             seen = scalar(prometheus, DETOK_TIMEOUTS)
             detok.proc.send_signal(signal.SIGSTOP)
-            time.sleep(1.0)  # fault duration: two detok timeouts
-            detok.proc.send_signal(signal.SIGCONT)
-            prometheus.wait_for(f"{DETOK_TIMEOUTS} > {seen}", bool, timeout_s=20)
+            try:
+                prometheus.wait_for(f"{DETOK_TIMEOUTS} > {seen}", bool, timeout_s=30)
+            finally:
+                detok.proc.send_signal(signal.SIGCONT)
     # Requests past their deadline: 504 from the gateway.
     with httpx.Client(base_url=stack.gateway_urls[0], timeout=30) as client:
         for _ in range(2):
