@@ -77,7 +77,11 @@ def build_app(config: GatewayConfig) -> FastAPI:
     tracing = Tracing("kubesgl-gateway")
 
     async def start(app: FastAPI) -> Gateway:
-        nc = await connect(NatsSettings.from_env(config.nats_url), name=f"gateway-{config.gateway_id}")
+        nc = await connect(
+            NatsSettings.from_env(config.nats_url),
+            name=f"gateway-{config.gateway_id}",
+            on_reconnect=metrics.nats.on_reconnect,
+        )
         bus = GatewayBus(
             nc, config.gateway_id, SchedulerRegistry(), metrics.nats, config.tokenize_attempt_timeout_s
         )

@@ -12,8 +12,9 @@ from typing import Any
 
 import pytest
 import yaml
-from support.dashboard_queries import exported_names, metric_names
-from test_chart import ROOT, render
+from support.chart import ROOT, render
+from support.dashboard_queries import exported_labels, exported_names, metric_names
+from support.operator_scrape import TARGET_LABELS
 
 PROMTOOL = shutil.which("promtool")
 ALERT_TESTS = ROOT / "tests" / "data" / "alerts"
@@ -75,6 +76,21 @@ def test_promtool_unit_tests(test_file: str, tmp_path: Path) -> None:
     shutil.copy(ALERT_TESTS / test_file, tmp_path / test_file)
     done = promtool("test", "rules", test_file, cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_unit_test_series_are_labelled_as_the_operator_scrape_stores_them() -> None:
+    """The promtool input series carry what Prometheus stores under the chart's ServiceMonitor: the operator's
+    target labels (job, instance, namespace, service, endpoint, pod, container) and the metric's own labels,
+    none of them renamed (tests/e2e/test_operator_scrape.py sees the same from live services)."""
+    exported = exported_labels()
+    for path in sorted(ALERT_TESTS.glob("*.test.yaml")):
+        for test in yaml.safe_load(path.read_text())["tests"]:
+            for series in test["input_series"]:
+                name, _, body = series["series"].partition("{")
+                labels = set(re.findall(r'(\w+)="', body))
+                own = labels - TARGET_LABELS["ServiceMonitor"]
+                assert TARGET_LABELS["ServiceMonitor"] <= labels, (path.name, series["series"])
+                assert own <= exported[name], (path.name, name, own - exported[name])
 
 
 def test_alerts_use_only_exported_metrics() -> None:

@@ -20,29 +20,16 @@ import kubernetes_validate
 import pytest
 import yaml
 from kubesgl.cli import build_parser
+from support.chart import CHART, NAMESPACE, RELEASE, render
 from support.crd_schemas import crd_kinds, validate_custom_resource
 from test_kustomize import merged
 
-ROOT = Path(__file__).resolve().parents[2]
-CHART = ROOT / "charts" / "kubesgl"
 KUBE_VERSION = "1.32.0"
-RELEASE, NAMESPACE = "kubesgl", "llm"
 
 VALUE_SETS: dict[str, dict[str, Any]] = {"defaults": {}} | {
     path.name.removesuffix("-values.yaml"): yaml.safe_load(path.read_text())
     for path in sorted((CHART / "ci").glob("*-values.yaml"))
 }
-
-
-def render(values: dict[str, Any], chart: Path = CHART) -> list[dict[str, Any]]:
-    """Every object the chart renders for `values` (NOTES.txt left out)."""
-    with helm_python.Chart.load(chart) as loaded:
-        manifests = loaded.render(values, name=RELEASE, namespace=NAMESPACE)
-    objects = []
-    for template, text in manifests.items():
-        if not template.endswith("NOTES.txt"):
-            objects += [doc for doc in yaml.safe_load_all(text) if doc]
-    return objects
 
 
 def one(objects: list[dict[str, Any]], kind: str, component: str) -> dict[str, Any]:
@@ -265,18 +252,17 @@ def test_networkpolicy_isolates_nats() -> None:
     assert "kubesgl.io/nats-client" not in test_pod["metadata"]["labels"]
     # Only the gateway takes traffic; the other services accept scrapes of their admin port only.
     gateway = policies[f"{RELEASE}-gateway"]
+    np = VALUE_SETS["full-features"]["networkPolicy"]
     assert gateway["ingress"] == [
         {
             "ports": [{"port": "http", "protocol": "TCP"}],
-            "from": VALUE_SETS["full-features"]["networkPolicy"]["gatewayFrom"]
-            + [{"podSelector": {"matchLabels": _selector(test_pod)}}],
-        }
+            "from": np["gatewayFrom"] + [{"podSelector": {"matchLabels": _selector(test_pod)}}],
+        },
+        {"ports": [{"port": "http", "protocol": "TCP"}], "from": np["metricsFrom"]},
     ]
     for component in ("tokenizer", "detokenizer", "scheduler"):
         rules = policies[f"{RELEASE}-{component}"]["ingress"]
-        assert rules == [
-            {"ports": [{"port": "admin", "protocol": "TCP"}], "from": [{"namespaceSelector": {}}]}
-        ]
+        assert rules == [{"ports": [{"port": "admin", "protocol": "TCP"}], "from": np["metricsFrom"]}]
     for spec in policies.values():
         assert spec["policyTypes"] == ["Ingress"]
 
@@ -308,10 +294,10 @@ def test_helm_test_pod_gets_through_the_gateway_policy() -> None:
     gateway = next(
         o for o in objects if o["kind"] == "NetworkPolicy" and o["metadata"]["name"] == f"{RELEASE}-gateway"
     )
-    [rule] = gateway["spec"]["ingress"]
+    rule, _metrics = gateway["spec"]["ingress"]
     assert _admits(rule, test_pod)
     tokenizer_pod = one(objects, "Deployment", "tokenizer")["spec"]["template"]
-    assert not _admits(rule, tokenizer_pod)
+    assert not any(_admits(r, tokenizer_pod) for r in gateway["spec"]["ingress"])
     # Without the test pod, no rule for it; without gatewayFrom, every source is admitted anyway.
     quiet = merged(VALUE_SETS["full-features"], {"tests": {"enabled": False}})
     gateway = next(
@@ -393,6 +379,42 @@ def test_bundled_nats_pdb_spread_and_exporter_probes() -> None:
     )
 
 
+def credential_files(pod: dict[str, Any], container_spec: dict[str, Any]) -> dict[str, tuple[str, str]]:
+    """KUBESGL_NATS_*_FILE variables -> the (Secret, key) the file they name is mounted from."""
+    mounts = {m["mountPath"]: m["name"] for m in container_spec.get("volumeMounts", [])}
+    volumes = {v["name"]: v for v in pod.get("volumes", [])}
+    found = {}
+    for name, value in env(container_spec).items():
+        if name.startswith("KUBESGL_NATS_") and name.endswith("_FILE"):
+            directory, _, file = value.rpartition("/")
+            secret = volumes[mounts[directory]]["secret"]
+            [key] = [i["key"] for i in secret["items"] if i["path"] == file]
+            found[name] = (secret["secretName"], key)
+    return found
+
+
+def test_no_container_takes_a_nats_credential_from_its_environment() -> None:
+    """Credentials reach kubesgl's containers as files from the mounted Secret (KUBESGL_NATS_*_FILE), so they
+    show in no `kubectl describe`, process environment or crash dump."""
+    for value_set, values in VALUE_SETS.items():
+        for where, pod in pod_specs(render(values)):
+            for c in pod.get("initContainers", []) + pod["containers"]:
+                refs = [e["name"] for e in c.get("env", []) if "secretKeyRef" in e.get("valueFrom", {})]
+                if c["name"] in ("nats", "credentials") or where.endswith("nats-credentials"):
+                    continue  # the NATS server's own config reads its token from the environment
+                assert not [r for r in refs if r.startswith("KUBESGL_NATS_")], (
+                    value_set,
+                    where,
+                    c["name"],
+                    refs,
+                )
+                if (
+                    "KUBESGL_NATS_URL" in env(c)
+                    and values.get("nats", {}).get("auth", {}).get("mode") != "none"
+                ):
+                    assert credential_files(pod, c), (value_set, where, c["name"])
+
+
 def test_external_nats_runs_no_server_and_uses_secret_credentials() -> None:
     values = VALUE_SETS["external-nats"]
     objects = render(values)
@@ -407,9 +429,10 @@ def test_external_nats_runs_no_server_and_uses_secret_credentials() -> None:
         variables = env(spec["containers"][0])
         assert variables["KUBESGL_NATS_URL"] == values["nats"]["external"]["url"]
         secret = values["nats"]["auth"]["existingSecret"]
-        assert variables["KUBESGL_NATS_USER"] == {"secretKeyRef": {"name": secret, "key": "user"}}
-        assert variables["KUBESGL_NATS_PASSWORD"] == {"secretKeyRef": {"name": secret, "key": "password"}}
-        assert "KUBESGL_NATS_TOKEN" not in variables
+        assert credential_files(spec, spec["containers"][0]) == {
+            "KUBESGL_NATS_USER_FILE": (secret, "user"),
+            "KUBESGL_NATS_PASSWORD_FILE": (secret, "password"),
+        }
         assert variables["KUBESGL_NATS_TLS_CA"] == "/etc/kubesgl/nats-tls/ca.crt"
         assert variables["KUBESGL_NATS_TLS_CERT"] == "/etc/kubesgl/nats-tls/tls.crt"
         tls_volume = next(v for v in spec["volumes"] if v["name"] == "nats-tls")
@@ -425,8 +448,9 @@ def test_bundled_nats_enforces_the_token_the_services_send() -> None:
     assert env(server)["NATS_TOKEN"] == {"secretKeyRef": {"name": secret_name, "key": token_key}}
     conf = one(objects, "ConfigMap", "nats")["data"]["nats.conf"]
     assert "token: $NATS_TOKEN" in conf and "max_payload: 8388608" in conf
-    gateway = container(objects, "Deployment", "gateway")
-    assert env(gateway)["KUBESGL_NATS_TOKEN"] == env(server)["NATS_TOKEN"]
+    gateway_pod = one(objects, "Deployment", "gateway")["spec"]["template"]["spec"]
+    gateway = gateway_pod["containers"][0]
+    assert credential_files(gateway_pod, gateway) == {"KUBESGL_NATS_TOKEN_FILE": (secret_name, token_key)}
     assert env(gateway)["KUBESGL_NATS_URL"] == f"nats://{RELEASE}-nats:4222"
 
 
@@ -464,6 +488,9 @@ def test_keda_scales_schedulers_on_queue_depth() -> None:
     # Never to zero, never scaled down blind, and one new instance per model load.
     assert scaled["minReplicaCount"] >= 1
     assert scaled["fallback"] == {"failureThreshold": 3, "replicas": 1, "behavior": "currentReplicasIfHigher"}
+    # A vanished metric (the query's result empty: test_prometheus_queries.py) is a failure the fallback counts,
+    # not a queue of 0.
+    assert trigger["ignoreNullValues"] == "false"
     behavior = scaled["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
     assert behavior["scaleUp"]["policies"] == [{"type": "Pods", "value": 1, "periodSeconds": 300}]
     assert behavior["scaleDown"]["stabilizationWindowSeconds"] == 900
@@ -510,25 +537,28 @@ def _matches(selector: dict[str, str], labels: dict[str, str]) -> bool:
     return all(labels.get(k) == v for k, v in selector.items())
 
 
+def pod_templates(objects: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Every workload's pod template by name (a LeaderWorkerSet's as <name>/leader and <name>/worker)."""
+    templates = {}
+    for o in objects:
+        if o["kind"] in ("Deployment", "StatefulSet"):
+            templates[o["metadata"]["name"]] = o["spec"]["template"]
+        elif o["kind"] == "LeaderWorkerSet":
+            lwt = o["spec"]["leaderWorkerTemplate"]
+            templates |= {f"{o['metadata']['name']}/{r}": lwt[f"{r}Template"] for r in ("leader", "worker")}
+    return templates
+
+
 def scrape_targets(objects: list[dict[str, Any]]) -> dict[tuple[str, int], list[str]]:
     """(pod template, container port) -> every scrape that reaches it: pod annotations, ServiceMonitor
     endpoints (through the Services it selects) and PodMonitor endpoints."""
     pods = []  # (template name, labels, annotations, {port name: number})
-    for o in objects:
-        templates = []
-        if o["kind"] in ("Deployment", "StatefulSet"):
-            templates = [(o["metadata"]["name"], o["spec"]["template"])]
-        elif o["kind"] == "LeaderWorkerSet":
-            lwt = o["spec"]["leaderWorkerTemplate"]
-            templates = [(f"{o['metadata']['name']}/{r}", lwt[f"{r}Template"]) for r in ("leader", "worker")]
-        for name, template in templates:
-            ports = {
-                p["name"]: p["containerPort"]
-                for c in template["spec"]["containers"]
-                for p in c.get("ports", [])
-            }
-            meta = template["metadata"]
-            pods.append((name, meta["labels"], meta.get("annotations", {}), ports))
+    for name, template in pod_templates(objects).items():
+        ports = {
+            p["name"]: p["containerPort"] for c in template["spec"]["containers"] for p in c.get("ports", [])
+        }
+        meta = template["metadata"]
+        pods.append((name, meta["labels"], meta.get("annotations", {}), ports))
     seen: dict[tuple[str, int], list[str]] = {}
     for name, _, pod_annotations, _ in pods:
         if pod_annotations.get("prometheus.io/scrape") == "true":
@@ -580,6 +610,52 @@ def test_each_target_is_scraped_once(value_set: str) -> None:
     assert set(seen) == metrics_ports
     # Worker pods of a multi-node instance serve no metrics (rank 0 counts for the whole instance).
     assert not [t for t in seen if t[0].endswith("/worker")]
+
+
+SCRAPE_PATHS = {
+    "serviceMonitor": {"serviceMonitor": {"enabled": True}, "podMonitor": {"enabled": False}},
+    "podMonitor": {"serviceMonitor": {"enabled": False}, "podMonitor": {"enabled": True}},
+    "annotations": {"serviceMonitor": {"enabled": False}, "podMonitor": {"enabled": False}},
+}
+
+
+def _admitted(objects: list[dict[str, Any]], template: dict[str, Any], port: int, peers: list[Any]) -> bool:
+    """Whether the NetworkPolicies selecting the pod let every one of `peers` reach its container `port`."""
+    names = {
+        p["containerPort"]: p["name"] for c in template["spec"]["containers"] for p in c.get("ports", [])
+    }
+    policies = [
+        o["spec"]
+        for o in objects
+        if o["kind"] == "NetworkPolicy"
+        and _matches(o["spec"]["podSelector"].get("matchLabels", {}), template["metadata"]["labels"])
+    ]
+    if not policies:
+        return True  # an unselected pod is not isolated
+    return any(
+        ("ports" not in rule or any(p["port"] in (port, names[port]) for p in rule["ports"]))
+        and (not rule.get("from") or all(peer in rule["from"] for peer in peers))
+        for spec in policies
+        for rule in spec.get("ingress", [])
+    )
+
+
+@pytest.mark.parametrize("scrape", sorted(SCRAPE_PATHS))
+@pytest.mark.parametrize("value_set", sorted(VALUE_SETS))
+def test_network_policy_admits_every_scrape_from_metrics_from(value_set: str, scrape: str) -> None:
+    """With NetworkPolicies on, Prometheus (networkPolicy.metricsFrom) reaches every port it is told to scrape,
+    the gateway's too (its API port serves /metrics)."""
+    values = merged(
+        VALUE_SETS[value_set], {"networkPolicy": {"enabled": True}, "metrics": SCRAPE_PATHS[scrape]}
+    )
+    objects = render(values)
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text())["networkPolicy"]["metricsFrom"]
+    peers = values["networkPolicy"].get("metricsFrom", defaults)
+    templates = pod_templates(objects)
+    targets = scrape_targets(objects)
+    assert targets
+    refused = [t for t in targets if not _admitted(objects, templates[t[0]], t[1], peers)]
+    assert refused == []
 
 
 def test_both_monitors_are_refused() -> None:
@@ -872,3 +948,48 @@ def test_helm_test_pod_calls_models(tmp_path: Path) -> None:
     assert FakeGatewayModelsHandler.seen_auth == ["Bearer sk-first"]
     failed = run_test_pod_script(pod, ["some-other-model"], tmp_path)
     assert failed.returncode != 0 and "FAIL" in failed.stderr
+
+
+def test_every_image_can_be_pinned_by_digest() -> None:
+    """Each image block takes a `digest` (sha256:...) that wins over its tag, the NATS server's and exporter's
+    too, so a release can run exactly the images it was tested with."""
+    digest = "sha256:" + "ab" * 32
+    pinned = {"digest": digest}
+    values = merged(
+        VALUE_SETS["full-features"],
+        {
+            "image": {"cpu": pinned, "cpuScheduler": pinned, "cuda": pinned},
+            "nats": {"bundled": {"image": pinned, "metrics": {"image": pinned}}},
+        },
+    )
+    for where, pod in pod_specs(render(values)):
+        for c in pod.get("initContainers", []) + pod["containers"]:
+            assert c["image"].endswith("@" + digest), (where, c["name"], c["image"])
+    # By default: tags (the chart's appVersion for kubesgl's own images).
+    default = {c["image"] for _, pod in pod_specs(render({})) for c in pod["containers"]}
+    assert "ghcr.io/kubesgl/kubesgl:0.1.0" in default and not [i for i in default if "@" in i]
+
+
+@pytest.mark.parametrize("component", ["gateway", "tokenizer", "detokenizer"])
+def test_stateless_services_survive_a_node_drain(component: str) -> None:
+    """A PDB lets a drain take one replica at a time; tokenizer and detokenizer spread over nodes by default, so
+    one node's loss leaves their queue group serving."""
+    objects = render({})
+    labels = one(objects, "Deployment", component)["spec"]["template"]["metadata"]["labels"]
+    pdb = one(objects, "PodDisruptionBudget", component)["spec"]
+    assert pdb["maxUnavailable"] == 1 and _matches(pdb["selector"]["matchLabels"], labels)
+    if component != "gateway":
+        [spread] = one(objects, "Deployment", component)["spec"]["template"]["spec"][
+            "topologySpreadConstraints"
+        ]
+        assert (
+            spread["topologyKey"] == "kubernetes.io/hostname"
+            and spread["whenUnsatisfiable"] == "ScheduleAnyway"
+        )
+        assert _matches(spread["labelSelector"]["matchLabels"], labels)
+    off = render({component: {"pdb": {"enabled": False}}})
+    assert not [
+        o
+        for o in off
+        if o["kind"] == "PodDisruptionBudget" and o["metadata"]["name"].endswith(f"-{component}")
+    ]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -14,8 +15,10 @@ from typing import Any
 
 import helm_python
 import pytest
+import yaml
+from support.chart import CHART, NAMESPACE, RELEASE, ROOT, render
 from support.fake_kube_api import FakeKubeAPI
-from test_chart import CHART, NAMESPACE, RELEASE, ROOT, VALUE_SETS, one, render
+from test_chart import VALUE_SETS, credential_files, one
 from test_kustomize import merged
 
 ORPHAN = f"kubectl -n {NAMESPACE} delete statefulset {{name}} --cascade=orphan"
@@ -45,6 +48,7 @@ def cluster() -> Iterator[FakeKubeAPI]:
 HF_SIZE = {"model": {"huggingface": {"storage": {"size": "80Gi"}}}}
 PVC_SOURCE = {"model": {"source": "pvc", "pvc": {"claimName": "models"}}}
 FULL = VALUE_SETS["full-features"]
+MULTI = VALUE_SETS["multinode-gpu"]
 
 # case -> (installed values, new values, the refusal names, the StatefulSet/Deployment it names)
 REFUSED: dict[str, tuple[dict[str, Any], dict[str, Any], str, str]] = {
@@ -102,6 +106,24 @@ REFUSED: dict[str, tuple[dict[str, Any], dict[str, Any], str, str]] = {
         "nats.bundled.jetstream.size changed (installed: 10Gi, now: 20Gi)",
         "statefulset kubesgl-nats",
     ),
+    "multi-node model volume size": (
+        MULTI,
+        merged(MULTI, {"model": {"huggingface": {"storage": {"size": "600Gi"}}}}),
+        "model.huggingface.storage.size changed (installed: 500Gi, now: 600Gi)",
+        "leaderworkerset kubesgl-scheduler",
+    ),
+    "multi-node model StorageClass": (
+        MULTI,
+        merged(MULTI, {"model": {"huggingface": {"storage": {"storageClassName": "slow-hdd"}}}}),
+        "model.huggingface.storage.storageClassName changed (installed: fast-ssd, now: slow-hdd)",
+        "leaderworkerset kubesgl-scheduler",
+    ),
+    "multi-node model source huggingface to pvc": (
+        MULTI,
+        merged(MULTI, PVC_SOURCE),
+        "model.source changed (installed: huggingface, now: pvc)",
+        "leaderworkerset kubesgl-scheduler",
+    ),
     "selector labels": (
         {"fullnameOverride": "kubesgl"},
         {"fullnameOverride": "kubesgl", "nameOverride": "llm"},
@@ -124,6 +146,11 @@ def test_upgrade_refuses_an_immutable_change(case: str, cluster: FakeKubeAPI) ->
     assert "which Kubernetes does not let an upgrade change" in message
     if target.startswith("statefulset "):
         assert ORPHAN.format(name=target.removeprefix("statefulset ")) in message
+    elif target.startswith("leaderworkerset "):
+        # Its StatefulSets (made by the LWS controller) hold the old templates: orphaning would not help.
+        assert f"kubectl -n {NAMESPACE} delete {target} (every group stops" in message
+        assert "--cascade=orphan" not in message
+        assert "spec.leaderWorkerTemplate.volumeClaimTemplates" in message
     else:
         assert "--cascade=orphan" in message and target in message
     assert "then run the same helm upgrade again" in message
@@ -150,6 +177,19 @@ def test_upgrade_allows_mutable_changes(case: str, cluster: FakeKubeAPI) -> None
     cluster.install(render({}), NAMESPACE)
     # The installed objects change nothing in the output: the render is the offline one, byte for byte.
     assert render_installed(cluster, MUTABLE[case]) == render_text(MUTABLE[case])
+
+
+def test_multinode_upgrade_reads_the_leaderworkerset_and_allows_mutable_changes(cluster: FakeKubeAPI) -> None:
+    cluster.install(render(MULTI), NAMESPACE)
+    more = merged(
+        MULTI, {"scheduler": {"replicas": 3}, "model": {"huggingface": {"storage": {"size": "512000Mi"}}}}
+    )
+    assert render_installed(cluster, more) == render_text(more)
+    gets = {path for method, path in cluster.requests if method == "GET"}
+    assert (
+        f"/apis/leaderworkerset.x-k8s.io/v1/namespaces/{NAMESPACE}/leaderworkersets/{RELEASE}-scheduler"
+        in gets
+    )
 
 
 def test_lookup_reads_the_installed_objects(cluster: FakeKubeAPI) -> None:
@@ -288,12 +328,100 @@ def test_existing_secret_renders_no_job() -> None:
     ):
         objects = render(values)
         assert not [o for o in objects if o["kind"] in ("Job", "Role", "RoleBinding", "Secret")], values
-    gateway = one(render({"nats": {"auth": {"existingSecret": "mine"}}}), "Deployment", "gateway")
-    env = {e["name"]: e.get("valueFrom") for e in gateway["spec"]["template"]["spec"]["containers"][0]["env"]}
-    assert env["KUBESGL_NATS_TOKEN"] == {"secretKeyRef": {"name": "mine", "key": "token"}}
+    pod = one(render({"nats": {"auth": {"existingSecret": "mine"}}}), "Deployment", "gateway")["spec"][
+        "template"
+    ]["spec"]
+    assert credential_files(pod, pod["containers"][0]) == {"KUBESGL_NATS_TOKEN_FILE": ("mine", "token")}
 
 
 def test_the_refusal_points_at_a_documented_section() -> None:
     from test_alerts import _anchors
 
     assert "changes-kubernetes-refuses" in _anchors((ROOT / "docs" / "operations.md").read_text())
+
+
+# -- the recovery from a selector change, against the StatefulSet controller's naming rule --------------------
+def _replace_steps(text: str) -> list[tuple[str, int]]:
+    """The pod steps of a recovery text's `for n in $(seq 0 ...)` loop, for ordinals 0..2: ("delete" | "ready", n)."""
+    start = text.find("for n in $(seq 0 ")
+    if start < 0:
+        return []
+    body = re.findall(r"delete pod \S+-\$n|wait --for=condition=Ready pod/\S+-\$n", text[start:])
+    return [("delete" if "delete" in step else "ready", n) for n in range(3) for step in body]
+
+
+def _statefulset_recovers(steps: list[tuple[str, int]], policy: str, replicas: int = 3) -> bool:
+    """Runs `steps` after the orphaning and the upgrade: every ordinal is still an orphaned old pod. The new
+    StatefulSet creates pod <name>-<N> only while no pod has that name (and, OrderedReady, once every lower
+    ordinal of its own is Ready); a "ready" step waits for the new pod N, forever if it cannot start."""
+    pods = dict.fromkeys(range(replicas), "orphan")
+
+    def reconcile() -> None:
+        for n in range(replicas):
+            if n not in pods:
+                pods[n] = "new"  # created and (in this model) Ready at once
+            if policy == "OrderedReady" and pods[n] != "new":
+                return
+
+    reconcile()
+    for action, n in steps:
+        if action == "delete":
+            pods.pop(n, None)
+        elif pods.get(n) != "new":
+            return False  # waits for a pod that cannot start
+        reconcile()
+    return all(state == "new" for state in pods.values())
+
+
+def _statefulset_recovery_texts(cluster: FakeKubeAPI) -> dict[str, str]:
+    cluster.install(render({"fullnameOverride": "kubesgl"}), NAMESPACE)
+    with pytest.raises(helm_python.HelmError) as refused:
+        render_installed(cluster, {"fullnameOverride": "kubesgl", "nameOverride": "llm"})
+    section = (ROOT / "docs" / "operations.md").read_text().split("#### A selector change", 1)[1]
+    return {"the refusal": str(refused.value), "docs/operations.md": section.split("\n#", 1)[0]}
+
+
+@pytest.mark.parametrize("policy", ["Parallel", "OrderedReady"])
+def test_selector_change_recovery_replaces_statefulset_pods_in_an_order_that_finishes(
+    policy: str, cluster: FakeKubeAPI
+) -> None:
+    """A StatefulSet's new pods have the orphans' names, so "delete the orphans once the new ones are Ready"
+    never finishes; the texts must delete each orphan before waiting for its replacement."""
+    waiting_first = [("ready", 0), ("delete", 0)]
+    assert not _statefulset_recovers(waiting_first, policy)
+    for where, text in _statefulset_recovery_texts(cluster).items():
+        steps = _replace_steps(text)
+        assert steps, f"{where}: no per-ordinal replacement steps"
+        assert _statefulset_recovers(steps, policy), (where, steps)
+
+
+# -- the LeaderWorkerSet version the chart needs ----------------------------------------------------------------
+def _lws_crd(with_claim_templates: bool) -> dict[str, Any]:
+    """The vendored LWS CRD (tests/data/crds, after v0.8.0), or that CRD as v0.7.0 published it in the fields
+    that matter here: v0.7.0's spec.leaderWorkerTemplate has neither volumeClaimTemplates nor
+    persistentVolumeClaimRetentionPolicy (both came in v0.8.0; `git show v0.7.0:config/crd/bases/...` in
+    kubernetes-sigs/lws)."""
+    path = ROOT / "tests" / "data" / "crds" / "leaderworkerset.x-k8s.io_leaderworkersets.yaml"
+    [crd] = [d for d in yaml.safe_load_all(path.read_text()) if d]
+    if not with_claim_templates:
+        for version in crd["spec"]["versions"]:
+            template = version["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+            template["leaderWorkerTemplate"]["properties"].pop("volumeClaimTemplates")
+            template["leaderWorkerTemplate"]["properties"].pop("persistentVolumeClaimRetentionPolicy")
+    return crd
+
+
+def test_multinode_install_needs_lws_with_claim_templates(cluster: FakeKubeAPI) -> None:
+    cluster.add(_lws_crd(with_claim_templates=True), NAMESPACE)
+    render_installed(cluster, MULTI)  # v0.8.0 or later: fine
+    cluster.add(_lws_crd(with_claim_templates=False), NAMESPACE)
+    with pytest.raises(
+        helm_python.HelmError, match=r"needs LeaderWorkerSet \(kubernetes-sigs/lws\) v0.8.0 or later"
+    ):
+        render_installed(cluster, MULTI)
+    # Without a cluster (helm template, Argo CD) lookup reads nothing and the render goes on.
+    render_text(MULTI)
+    # A single-node release never asks.
+    cluster.requests.clear()
+    render_installed(cluster, {})
+    assert not [p for _, p in cluster.requests if "customresourcedefinitions" in p]

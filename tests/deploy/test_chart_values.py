@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -239,3 +240,84 @@ def test_bad_values_rejected_by_schema(case: str) -> None:
     # The same values fail a real render too: Helm validates before templating.
     with helm_python.Chart.load(CHART) as chart, pytest.raises(helm_python.HelmError):
         chart.render(values, name="kubesgl", namespace="llm")
+
+
+# -- the chart version and the values a release accepts ----------------------------------------------------------
+RELEASED = Path(__file__).resolve().parents[1] / "data" / "chart-releases"  # <version>.values.schema.json
+CHANGELOG = CHART / "CHANGELOG.md"
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split("."))
+
+
+def _types(node: dict[str, Any]) -> set[str]:
+    kind = node.get("type")
+    return set(kind) if isinstance(kind, list) else {kind} if kind else set()
+
+
+def values_breaking_changes(
+    old: dict[str, Any], new: dict[str, Any], path: str = ""
+) -> list[tuple[str, str]]:
+    """(key path, what) for each change that makes some values valid under `old` invalid under `new`: a key
+    removed (the schema rejects unknown keys), a type or an enum narrowed."""
+    changes = []
+    for key, was in old.get("properties", {}).items():
+        where = f"{path}.{key}" if path else key
+        now = new.get("properties", {}).get(key)
+        if now is None:
+            changes.append((where, "removed"))
+            continue
+        if _types(was) and not _types(was) <= _types(now):
+            changes.append((where, f"type {sorted(_types(was))} -> {sorted(_types(now))}"))
+        if "enum" in now and set(was.get("enum", now["enum"])) - set(now["enum"]):
+            changes.append((where, f"choices {sorted(set(was['enum']) - set(now['enum']))} dropped"))
+        changes += values_breaking_changes(was, now, where)
+    return changes
+
+
+def test_breaking_change_detection() -> None:
+    old = {
+        "properties": {
+            "a": {"type": "object", "properties": {"b": {"type": "integer"}, "c": {"enum": [1, 2]}}}
+        }
+    }
+    assert values_breaking_changes(old, old) == []
+    new = {
+        "properties": {"a": {"type": "object", "properties": {"b": {"type": "string"}, "c": {"enum": [1]}}}}
+    }
+    assert values_breaking_changes(old, new) == [
+        ("a.b", "type ['integer'] -> ['string']"),
+        ("a.c", "choices [2] dropped"),
+    ]
+    assert values_breaking_changes(old, {"properties": {}}) == [("a", "removed")]
+
+
+def test_a_values_breaking_change_bumps_the_chart_version_and_is_in_the_changelog() -> None:
+    version = yaml.safe_load((CHART / "Chart.yaml").read_text())["version"]
+    released = sorted(
+        (p.name.removesuffix(".values.schema.json") for p in RELEASED.glob("*.json")), key=_version
+    )
+    last = max((v for v in released if _version(v) <= _version(version)), key=_version)
+    old = json.loads((RELEASED / f"{last}.values.schema.json").read_text())
+    changes = values_breaking_changes(old, json.loads((CHART / "values.schema.json").read_text()))
+    sections = re.split(r"^## ", CHANGELOG.read_text(), flags=re.M)[1:]
+    assert sections and sections[0].startswith(version + " "), (
+        f"CHANGELOG.md's first section is not {version}"
+    )
+    if not changes:
+        return
+    assert _version(version) > _version(last), (
+        f"values-breaking changes since {last} without a new version: {changes}"
+    )
+    major, minor = _version(version)[:2]
+    last_major, last_minor = _version(last)[:2]
+    assert (major > last_major) if last_major >= 1 else (major, minor) > (last_major, last_minor), (
+        version,
+        last,
+    )
+    breaking = sections[0].split("### Values-breaking", 1)
+    assert len(breaking) == 2, f"CHANGELOG.md {version} has no 'Values-breaking' part for {changes}"
+    listed = breaking[1].split("\n### ", 1)[0]
+    missing = [c for c in changes if f"`{c[0]}`" not in listed]
+    assert missing == [], f"values-breaking changes since {last} the CHANGELOG does not name: {missing}"

@@ -3,6 +3,8 @@ service exports (the queries themselves are run against a real Prometheus in tes
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from support.dashboard_queries import dashboards, exported_names, exprs, metric_names, panels
 
@@ -80,3 +82,13 @@ def test_latency_quantiles_aggregate_buckets_by_le() -> None:
         for expr in exprs(dash):
             if "histogram_quantile" in expr:
                 assert "_bucket" in expr and "by (le" in expr, expr
+
+
+def test_no_panel_groups_by_a_label_the_scrape_sets_for_kubernetes() -> None:
+    """`instance`, `service` and `endpoint` are the scrape's (address, Kubernetes Service, port name): a panel
+    grouping by one shows those, never a scheduler instance, a kubesgl component or an HTTP route."""
+    for name, dash in dashboards().items():
+        for expr in exprs(dash):
+            for grouping in re.findall(r"\b(?:by|without)\s*\(([^)]*)\)", expr):
+                used = {label.strip() for label in grouping.split(",")}
+                assert not used & {"instance", "service", "endpoint"}, f"{name}: {expr}"

@@ -1,4 +1,5 @@
-"""Every dashboard query is valid PromQL for a real Prometheus (the Debian `prometheus` package)."""
+"""Every dashboard query is valid PromQL for a real Prometheus (the Debian `prometheus` package), and the KEDA
+trigger's query reads empty, not 0, when no scheduler is scraped."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from support.chart import render
 from support.dashboard_queries import concrete, dashboards, exprs
 from support.prometheus_server import PrometheusServer
 
@@ -32,3 +34,12 @@ def test_every_dashboard_query_parses_in_prometheus(prometheus: PrometheusServer
 def test_a_broken_query_is_reported(prometheus: PrometheusServer) -> None:
     with pytest.raises(ValueError, match="bad_data"):
         prometheus.query("sum by (le (rate(x[1m]))")
+
+
+def test_keda_query_is_empty_when_no_scheduler_is_scraped(prometheus: PrometheusServer) -> None:
+    """Without any scheduler series the result is an empty vector, which KEDA (ignoreNullValues "false") counts
+    as a failed poll towards the fallback; a query that read 0 would scale down blind."""
+    objects = render({"scheduler": {"autoscaling": {"enabled": True, "prometheusAddress": "http://p:9090"}}})
+    [trigger] = next(o for o in objects if o["kind"] == "ScaledObject")["spec"]["triggers"]
+    assert prometheus.query(trigger["metadata"]["query"]) == []
+    assert trigger["metadata"]["ignoreNullValues"] == "false"

@@ -129,7 +129,7 @@ async def test_cache_aware_routing_follows_prefixes_survives_a_kill_and_catches_
         # A tokenizer started now learns the caches from snapshots, with no request seen.
         holder = ca[0].instances[0]
         late = _tokenizer(stack, "cache-aware", 2)
-        assert (_sample(_metrics(late), "kubesgl_router_index_blocks", instance=holder) or 0) > 0
+        assert (_sample(_metrics(late), "kubesgl_router_index_blocks", scheduler_instance=holder) or 0) > 0
         _stop(ca_tok)
         for conv in ca:
             await _turn(client, conv)
@@ -143,7 +143,9 @@ async def test_cache_aware_routing_follows_prefixes_survives_a_kill_and_catches_
             what=f"{holder} leaves the routing index",
             timeout_s=20.0,
             interval_s=0.2,
-            predicate=lambda: _sample(_metrics(late), "kubesgl_router_index_blocks", instance=holder) is None,
+            predicate=lambda: (
+                _sample(_metrics(late), "kubesgl_router_index_blocks", scheduler_instance=holder) is None
+            ),
         )
         for conv in ca:
             await _turn(client, conv)

@@ -424,7 +424,7 @@ def test_native_generate_models_ready_and_metrics(url, offline, tokenizer, demo_
         assert http.get("/ready").status_code == 200 and http.get("/health").status_code == 200
         metrics = http.get("/metrics").text
         assert (
-            'kubesgl_gateway_requests_total{endpoint="/v1/chat/completions",model="demo",status="200"}'
+            'kubesgl_gateway_requests_total{model="demo",route="/v1/chat/completions",status="200"}'
             in metrics
         )
         assert "kubesgl_gateway_time_to_first_token_seconds_bucket" in metrics

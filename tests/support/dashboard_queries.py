@@ -71,9 +71,9 @@ def metric_names(expr: str) -> set[str]:
     return names
 
 
-def exported_names() -> set[str]:
-    """Every series name some kubesgl service's /metrics can serve."""
-    names: set[str] = set()
+def _registries() -> list[Any]:
+    """One registry per kubesgl service, holding every metric that service exports."""
+    registries = []
     for build in (
         lambda r: SchedulerMetrics(r, "m", page_size=1, num_pages=1),
         GatewayMetrics,
@@ -82,11 +82,36 @@ def exported_names() -> set[str]:
     ):
         registry = new_registry()
         build(registry)
+        registries.append(registry)
+    return registries
+
+
+_SUFFIXES = {
+    "counter": ("_total", "_created"),
+    "histogram": ("_bucket", "_sum", "_count", "_created"),
+    "summary": ("", "_sum", "_count", "_created"),
+}
+
+
+def exported_names() -> set[str]:
+    """Every series name some kubesgl service's /metrics can serve."""
+    return set(exported_labels())
+
+
+def exported_labels() -> dict[str, set[str]]:
+    """Every series name some kubesgl service's /metrics can serve -> the label names it carries."""
+    found: dict[str, set[str]] = {}
+    for registry in _registries():
+        # Declared names, not samples': a labelled metric has no sample before its first child.
+        declared = {
+            name: set(getattr(collector, "_labelnames", ()))
+            for collector, names in registry._collector_to_names.items()
+            for name in names
+        }
         for family in registry.collect():
-            suffixes = {
-                "counter": ("_total", "_created"),
-                "histogram": ("_bucket", "_sum", "_count", "_created"),
-                "summary": ("", "_sum", "_count", "_created"),
-            }.get(family.type, ("",))
-            names |= {family.name + s for s in suffixes}
-    return names
+            labels = {k for sample in family.samples for k in sample.labels}
+            for suffix in _SUFFIXES.get(family.type, ("",)):
+                name = family.name + suffix
+                extra = {"le"} if suffix == "_bucket" else set()
+                found[name] = labels | declared.get(name, set()) | extra
+    return found

@@ -30,6 +30,7 @@ KINDS: dict[tuple[str, str], tuple[str, bool]] = {
     ("batch/v1", "Job"): ("jobs", True),
     ("policy/v1", "PodDisruptionBudget"): ("poddisruptionbudgets", True),
     ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"): ("leaderworkersets", True),
+    ("apiextensions.k8s.io/v1", "CustomResourceDefinition"): ("customresourcedefinitions", False),
 }
 
 
@@ -95,7 +96,7 @@ class FakeKubeAPI:
         """Stores `obj` (as the API server would, see `store`) in `namespace`."""
         kind = (obj["apiVersion"], obj["kind"])
         if kind not in KINDS:
-            return  # a kind this fake does not serve (CRDs other than LWS): lookup never asks for it
+            return  # a kind this fake does not serve (custom resources other than LWS): lookup never asks for it
         ns = namespace if KINDS[kind][1] else ""
         with self._lock:
             self.objects[(*kind, ns, obj["metadata"]["name"])] = store(obj)

@@ -1,5 +1,6 @@
-"""A real Prometheus server for tests (Debian package `prometheus`): scrapes the given /metrics targets every
-second on loopback and answers PromQL through its HTTP API."""
+"""A real Prometheus server for tests (Debian package `prometheus`): scrapes the given /metrics targets (or
+whole scrape jobs, e.g. support.operator_scrape's) every second on loopback, evaluates the given alerting rules
+every second, and answers PromQL through its HTTP API."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,16 +21,29 @@ INSTALL_HINT = "install it with: apt-get update && apt-get install -y prometheus
 
 
 class PrometheusServer:
-    """`targets` maps a job name to host:port addresses serving /metrics."""
+    """`targets` maps a job name to host:port addresses serving /metrics; `scrape_configs` are further jobs as
+    Prometheus's configuration spells them; `rule_groups` a PrometheusRule's `spec.groups`."""
 
-    def __init__(self, workdir: Path, targets: dict[str, list[str]]) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        targets: dict[str, list[str]],
+        scrape_configs: Sequence[dict[str, Any]] = (),
+        rule_groups: Sequence[dict[str, Any]] = (),
+    ) -> None:
         binary = shutil.which("prometheus")
         if binary is None:
             raise RuntimeError(f"the prometheus binary is not on PATH; {INSTALL_HINT}")
         self._binary = binary
         self._workdir = workdir
         self._config_file = workdir / "prometheus.yml"
-        self._config_file.write_text(json.dumps(_config(targets)))  # JSON is YAML
+        config = _config(targets)
+        config["scrape_configs"] += list(scrape_configs)
+        if rule_groups:
+            rules_file = workdir / "rules.yml"
+            rules_file.write_text(json.dumps({"groups": list(rule_groups)}))
+            config["rule_files"] = [str(rules_file)]
+        self._config_file.write_text(json.dumps(config))  # JSON is YAML
         self._logfile = workdir / "prometheus.log"
         self._log = self._logfile.open("w")
         self._start()

@@ -143,23 +143,15 @@ demo
 {{- define "kubesgl.natsEnv" -}}
 - name: KUBESGL_NATS_URL
   value: {{ include "kubesgl.natsUrl" . | quote }}
+{{- /* Credentials as files from the mounted Secret (kubesgl.scratchVolumes), never in the environment. */}}
 {{- if eq .Values.nats.auth.mode "token" }}
-- name: KUBESGL_NATS_TOKEN
-  valueFrom:
-    secretKeyRef:
-      name: {{ include "kubesgl.natsAuthSecretName" . }}
-      key: {{ .Values.nats.auth.tokenKey }}
+- name: KUBESGL_NATS_TOKEN_FILE
+  value: /etc/kubesgl/nats-auth/token
 {{- else if eq .Values.nats.auth.mode "userPassword" }}
-- name: KUBESGL_NATS_USER
-  valueFrom:
-    secretKeyRef:
-      name: {{ include "kubesgl.natsAuthSecretName" . }}
-      key: {{ .Values.nats.auth.userKey }}
-- name: KUBESGL_NATS_PASSWORD
-  valueFrom:
-    secretKeyRef:
-      name: {{ include "kubesgl.natsAuthSecretName" . }}
-      key: {{ .Values.nats.auth.passwordKey }}
+- name: KUBESGL_NATS_USER_FILE
+  value: /etc/kubesgl/nats-auth/user
+- name: KUBESGL_NATS_PASSWORD_FILE
+  value: /etc/kubesgl/nats-auth/password
 {{- end }}
 {{- if .Values.nats.tls.enabled }}
 - name: KUBESGL_NATS_TLS_CA
@@ -215,6 +207,11 @@ demo
   mountPath: /etc/kubesgl/nats-tls
   readOnly: true
 {{- end }}
+{{- if ne .Values.nats.auth.mode "none" }}
+- name: nats-auth
+  mountPath: /etc/kubesgl/nats-auth
+  readOnly: true
+{{- end }}
 {{- end -}}
 
 {{- define "kubesgl.scratchVolumes" -}}
@@ -228,6 +225,23 @@ demo
 - name: nats-tls
   secret:
     secretName: {{ .Values.nats.tls.existingSecret }}
+{{- end }}
+{{- with .Values.nats.auth }}
+{{- if ne .mode "none" }}
+- name: nats-auth
+  secret:
+    secretName: {{ include "kubesgl.natsAuthSecretName" $ }}
+    items:
+      {{- if eq .mode "token" }}
+      - key: {{ .tokenKey }}
+        path: token
+      {{- else }}
+      - key: {{ .userKey }}
+        path: user
+      - key: {{ .passwordKey }}
+        path: password
+      {{- end }}
+{{- end }}
 {{- end }}
 {{- end -}}
 

@@ -17,10 +17,14 @@ object's canonical form ("50Gi") equals the values' spelling ("51200Mi"). */}}
 {{- end -}}
 
 {{/* Fails the render: (dict "root" $ "value" "x.y" "was" .. "now" .. "kind" "StatefulSet" "name" .. "field"
-"spec.x" "after" "what to do once the upgrade went through"). */}}
+"spec.x" "after" "what to do once the upgrade went through"), and optionally "apply": how to apply it, where
+orphaning the object and upgrading again (the default) does not work. */}}
 {{- define "kubesgl.refuseImmutable" -}}
 {{- $ns := .root.Release.Namespace -}}
-{{- fail (printf "\nupgrade refused: %s changed (installed: %v, now: %v), but %s %s keeps it in %s, which Kubernetes does not let an upgrade change.\nTo apply it: kubectl -n %s delete %s %s --cascade=orphan  (its pods keep running and serving), then run the same helm upgrade again: the new %s adopts the running pods.\n%s\nOr keep the installed setting in your values. docs/operations.md#changes-kubernetes-refuses explains each case." .value .was .now .kind .name .field $ns (lower .kind) .name .kind .after) -}}
+{{- $adopts := printf "the new %s adopts the running pods" .kind -}}
+{{- if eq .field "spec.selector" }}{{ $adopts = printf "the new %s starts its own pods (the running ones no longer match its selector)" .kind }}{{ end -}}
+{{- $apply := printf "kubectl -n %s delete %s %s --cascade=orphan  (its pods keep running and serving), then run the same helm upgrade again: %s." $ns (lower .kind) .name $adopts -}}
+{{- fail (printf "\nupgrade refused: %s changed (installed: %v, now: %v), but %s %s keeps it in %s, which Kubernetes does not let an upgrade change.\nTo apply it: %s\n%s\nOr keep the installed setting in your values. docs/operations.md#changes-kubernetes-refuses explains each case." .value .was .now .kind .name .field (default $apply .apply) .after) -}}
 {{- end -}}
 
 {{/* The installed object's selector must equal the one this render gives it:
@@ -30,22 +34,31 @@ object's canonical form ("50Gi") equals the values' spelling ("51200Mi"). */}}
 {{- $want := include "kubesgl.selectorLabels" $ctx | fromYaml -}}
 {{- $have := dig "spec" "selector" "matchLabels" dict .live -}}
 {{- if ne (toJson $have) (toJson $want) -}}
-{{- include "kubesgl.refuseImmutable" (dict "root" .root "value" "nameOverride (the app.kubernetes.io/name selector label)" "was" (toJson $have) "now" (toJson $want) "kind" .kind "name" .live.metadata.name "field" "spec.selector" "after" (printf "The orphaned old pods do not match the new selector: delete them once the new ones are Ready (kubectl -n %s delete pod -l app.kubernetes.io/instance=%s,app.kubernetes.io/component=%s,app.kubernetes.io/name=%s)." .root.Release.Namespace .root.Release.Name .component (get $have "app.kubernetes.io/name"))) -}}
+{{- $ns := .root.Release.Namespace -}}
+{{- $name := .live.metadata.name -}}
+{{- $after := printf "The orphaned old pods do not match the new selector: delete them once the new ones are Ready (kubectl -n %s rollout status deployment/%s, then kubectl -n %s delete pod -l app.kubernetes.io/instance=%s,app.kubernetes.io/component=%s,app.kubernetes.io/name=%s)." $ns $name $ns .root.Release.Name .component (get $have "app.kubernetes.io/name") -}}
+{{- if eq .kind "StatefulSet" -}}
+{{- /* A StatefulSet's pods are named <name>-<ordinal>: a new pod cannot start while its orphan holds the name. */ -}}
+{{- $after = printf "The new StatefulSet's pods take the orphans' names (%s-<N>), so each starts only once its orphan is gone: replace them one at a time, lowest ordinal first (each is down for its restart): for n in $(seq 0 %d); do kubectl -n %s delete pod %s-$n; until kubectl -n %s wait --for=condition=Ready pod/%s-$n --timeout=60m; do sleep 5; done; done" $name (sub (int (dig "spec" "replicas" 1 .live)) 1) $ns $name $ns $name -}}
+{{- end -}}
+{{- include "kubesgl.refuseImmutable" (dict "root" .root "value" "nameOverride (the app.kubernetes.io/name selector label)" "was" (toJson $have) "now" (toJson $want) "kind" .kind "name" $name "field" "spec.selector" "after" $after) -}}
 {{- end -}}
 {{- end -}}
 
 {{/* One volumeClaimTemplate of an installed StatefulSet against what this render wants:
 (dict "root" $ "live" sts "claim" "model" "want" (dict "size" "accessModes" "storageClassName") or nil
  "presence" (dict "value" "model.source" "was" .. "now" ..) "size" "x.size" "class" "x.storageClassName"
- "modes" "x.accessModes" "after" (dict "presence" .. "size" .. "class" ..)). */}}
+ "modes" "x.accessModes" "after" (dict "presence" .. "size" .. "class" ..)); for a LeaderWorkerSet also
+ "kind" "LeaderWorkerSet" "claims" (its claim templates) "field" (where they are) "apply" (the recovery). */}}
 {{- define "kubesgl.checkClaim" -}}
 {{- $live := .live -}}
 {{- $name := $live.metadata.name -}}
 {{- $found := dict -}}
-{{- range (dig "spec" "volumeClaimTemplates" list $live) }}
+{{- range (default (dig "spec" "volumeClaimTemplates" list $live) .claims) }}
 {{- if eq .metadata.name $.claim }}{{ $found = . }}{{ end }}
 {{- end }}
-{{- $base := dict "root" .root "kind" "StatefulSet" "name" $name "field" (printf "spec.volumeClaimTemplates (claim %q)" .claim) -}}
+{{- $field := printf "%s (claim %q)" (default "spec.volumeClaimTemplates" .field) .claim -}}
+{{- $base := dict "root" .root "kind" (default "StatefulSet" .kind) "name" $name "field" $field "apply" .apply -}}
 {{- if ne (empty $found) (empty .want) -}}
 {{- include "kubesgl.refuseImmutable" (merge (dict "value" .presence.value "was" .presence.was "now" .presence.now "after" .after.presence) $base) -}}
 {{- else if .want -}}

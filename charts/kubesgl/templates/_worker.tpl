@@ -117,6 +117,12 @@ spec:
       affinity:
         {{- toYaml . | nindent 8 }}
       {{- end }}
+      {{- with $s.topologySpreadConstraints }}
+      topologySpreadConstraints:
+        {{- range . }}
+        - {{ toYaml (merge . (dict "labelSelector" (dict "matchLabels" (include "kubesgl.selectorLabels" $ctx | fromYaml)))) | nindent 10 | trim }}
+        {{- end }}
+      {{- end }}
 {{- end -}}
 
 {{/* Headless Service naming a component's pods, for DNS and the ServiceMonitor. */}}

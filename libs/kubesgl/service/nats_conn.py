@@ -43,9 +43,9 @@ class NatsSettings:
         raw = url or env.get("KUBESGL_NATS_URL") or DEFAULT_URL
         return cls(
             urls=tuple(u.strip() for u in raw.split(",") if u.strip()),
-            user=env.get("KUBESGL_NATS_USER") or None,
-            password=env.get("KUBESGL_NATS_PASSWORD") or None,
-            token=env.get("KUBESGL_NATS_TOKEN") or None,
+            user=_secret(env, "KUBESGL_NATS_USER"),
+            password=_secret(env, "KUBESGL_NATS_PASSWORD"),
+            token=_secret(env, "KUBESGL_NATS_TOKEN"),
             tls_ca=env.get("KUBESGL_NATS_TLS_CA") or None,
             tls_cert=env.get("KUBESGL_NATS_TLS_CERT") or None,
             tls_key=env.get("KUBESGL_NATS_TLS_KEY") or None,
@@ -60,12 +60,25 @@ class NatsSettings:
         return ctx
 
 
+def _secret(env: dict[str, str], name: str) -> str | None:
+    """`name`'s value, or the contents of the file `<name>_FILE` names (a mounted Secret: no credential in the
+    process environment); one of the two, not both."""
+    path = env.get(f"{name}_FILE")
+    if not path:
+        return env.get(name) or None
+    if env.get(name):
+        raise ValueError(f"{name} and {name}_FILE are both set; set one")
+    with open(path) as f:
+        return f.read().rstrip("\r\n") or None
+
+
 def add_nats_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--nats-url",
         default=None,
         help=f"NATS server URL(s), comma-separated (env KUBESGL_NATS_URL, default {DEFAULT_URL}); "
-        "credentials and TLS come from KUBESGL_NATS_USER/PASSWORD/TOKEN and KUBESGL_NATS_TLS_CA/CERT/KEY",
+        "credentials and TLS come from KUBESGL_NATS_USER/PASSWORD/TOKEN (or files named by their *_FILE "
+        "variables) and KUBESGL_NATS_TLS_CA/CERT/KEY",
     )
 
 

@@ -1,5 +1,6 @@
-"""NATS credentials and TLS reach every service through the environment (KUBESGL_NATS_*), against a real
-nats-server with auth / TLS / mutual TLS on; wrong or missing credentials never connect."""
+"""NATS credentials and TLS reach every service through the environment (KUBESGL_NATS_*, credentials also as
+files named by KUBESGL_NATS_*_FILE), against a real nats-server with auth / TLS / mutual TLS on; wrong or missing
+credentials never connect."""
 
 from __future__ import annotations
 
@@ -51,6 +52,30 @@ async def test_user_and_password_come_from_the_environment(server: NatsServer) -
 async def test_token_comes_from_the_environment(server: NatsServer) -> None:
     await _round_trip(NatsSettings.from_env(server.url, {"KUBESGL_NATS_TOKEN": "t0ken"}))
     await _never_connects(NatsSettings.from_env(server.url, {"KUBESGL_NATS_TOKEN": "nope"}))
+
+
+@pytest.mark.parametrize("server", [("--auth", "t0ken")], indirect=True)
+async def test_token_comes_from_a_mounted_file(server: NatsServer, tmp_path: Path) -> None:
+    """The chart mounts the Secret and names the file (KUBESGL_NATS_TOKEN_FILE): no credential in the
+    environment. A Secret written with a trailing newline still matches."""
+    token = tmp_path / "token"
+    token.write_text("t0ken\n")
+    await _round_trip(NatsSettings.from_env(server.url, {"KUBESGL_NATS_TOKEN_FILE": str(token)}))
+    token.write_text("nope")
+    await _never_connects(NatsSettings.from_env(server.url, {"KUBESGL_NATS_TOKEN_FILE": str(token)}))
+
+
+def test_credential_files_for_user_and_password_and_never_two_sources(tmp_path: Path) -> None:
+    (tmp_path / "user").write_text("kube")
+    (tmp_path / "password").write_text("s3cret")
+    files = {
+        "KUBESGL_NATS_USER_FILE": str(tmp_path / "user"),
+        "KUBESGL_NATS_PASSWORD_FILE": str(tmp_path / "password"),
+    }
+    settings = NatsSettings.from_env(None, files)
+    assert (settings.user, settings.password, settings.token) == ("kube", "s3cret", None)
+    with pytest.raises(ValueError, match="KUBESGL_NATS_PASSWORD and KUBESGL_NATS_PASSWORD_FILE are both set"):
+        NatsSettings.from_env(None, {**files, "KUBESGL_NATS_PASSWORD": "other"})
 
 
 def _pki(tmp_path: Path) -> dict[str, str]:

@@ -17,6 +17,8 @@ from kubesgl.service.telemetry.metrics import (
 )
 from kubesgl.values.outputs import EngineStats
 from prometheus_client import CollectorRegistry
+from support.dashboard_queries import exported_labels
+from support.operator_scrape import RESERVED_LABELS
 
 MODEL = {"model_name": "qwen3-tiny"}
 
@@ -232,11 +234,11 @@ def test_nats_request_outcome_follows_the_exception() -> None:
     nats.on_reconnect()
 
     def count(outcome: str) -> float | None:
-        labels = {"service": "gateway", "target": "tokenize", "outcome": outcome}
+        labels = {"component": "gateway", "target": "tokenize", "outcome": outcome}
         return registry.get_sample_value("kubesgl_nats_request_duration_seconds_count", labels)
 
     assert [count(o) for o in ("ok", "timeout", "no_responders", "error")] == [1, 1, 1, 1]
-    assert registry.get_sample_value("kubesgl_nats_reconnects_total", {"service": "gateway"}) == 1
+    assert registry.get_sample_value("kubesgl_nats_reconnects_total", {"component": "gateway"}) == 1
 
 
 def test_gateway_request_records_ttft_itl_and_status_once() -> None:
@@ -250,7 +252,7 @@ def test_gateway_request_records_ttft_itl_and_status_once() -> None:
     req.finish(200)
     req.finish(500)  # a second exit path: ignored
     model = {"model": "qwen3-tiny"}
-    route = {**model, "endpoint": "/v1/chat/completions"}
+    route = {**model, "route": "/v1/chat/completions"}
     assert registry.get_sample_value("kubesgl_gateway_requests_in_flight", model) == 0
     assert registry.get_sample_value("kubesgl_gateway_time_to_first_token_seconds_count", model) == 1
     assert registry.get_sample_value("kubesgl_gateway_inter_token_latency_seconds_count", model) == 3
@@ -303,3 +305,12 @@ def test_retractions_count_once_and_the_gauge_covers_the_last_window() -> None:
     clock.now += 1.5
     step(5)
     assert registry.get_sample_value("sglang:num_retracted_reqs", MODEL) == 0
+
+
+def test_no_metric_label_collides_with_a_scrape_target_label() -> None:
+    """A label named like one the Prometheus Operator's scrape sets (service, endpoint, instance, ...) is stored
+    as exported_<name>, and every alert or board selecting it reads nothing."""
+    labels = exported_labels()
+    assert labels["kubesgl_nats_reconnects_total"] == {"component"}
+    for name, names in labels.items():
+        assert not names & RESERVED_LABELS, (name, names & RESERVED_LABELS)

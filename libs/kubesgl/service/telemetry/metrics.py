@@ -16,6 +16,12 @@ and serves /metrics; its numbers are the whole instance's, and exporting from th
 repeat them (a `sum` over pods would double count). Every other service runs one process per pod and
 scales by replicas, which Prometheus tells apart by their pod label, so no metric is ever written from
 two processes and prometheus_client's multiprocess mode is not needed.
+
+Label names: none is a label a scrape attaches to every target (the Prometheus Operator's `job`, `instance`,
+`namespace`, `pod`, `container`, `service`, `endpoint`, `node`). Prometheus would rename ours to
+`exported_<name>` (honor_labels off, the operator's default) or let ours overwrite the target's (on), so the
+service making a NATS request is `component`, the gateway's HTTP route `route`, and the router's scheduler
+instance `scheduler_instance`.
 """
 
 from __future__ import annotations
@@ -233,13 +239,13 @@ class NatsMetrics:
         self._rtt = Histogram(
             "kubesgl_nats_request_duration_seconds",
             "Round trip of a NATS request until its reply, by target subject kind and outcome.",
-            ["service", "target", "outcome"],
+            ["component", "target", "outcome"],
             buckets=NATS_LATENCY_BUCKETS,
             registry=registry,
         )
         self._reconnects = Counter(
-            "kubesgl_nats_reconnects_total", "Reconnections to NATS.", ["service"], registry=registry
-        ).labels(service=service)
+            "kubesgl_nats_reconnects_total", "Reconnections to NATS.", ["component"], registry=registry
+        ).labels(component=service)
         self._service = service
 
     @contextmanager
@@ -254,7 +260,7 @@ class NatsMetrics:
             outcome = _outcome(e)
             raise
         finally:
-            self._rtt.labels(service=self._service, target=target, outcome=outcome).observe(
+            self._rtt.labels(component=self._service, target=target, outcome=outcome).observe(
                 time.perf_counter() - start
             )
 
@@ -373,7 +379,7 @@ class RouterMetrics:
         self._index_blocks = Gauge(
             "kubesgl_router_index_blocks",
             "Prefix blocks the routing index holds per scheduler instance.",
-            ["instance"],
+            ["scheduler_instance"],
             registry=registry,
         )
         self._index_size = Gauge(
@@ -397,7 +403,7 @@ class RouterMetrics:
         for gone in self._indexed - blocks_by_instance.keys():
             self._index_blocks.remove(gone)
         for instance, n in blocks_by_instance.items():
-            self._index_blocks.labels(instance=instance).set(n)
+            self._index_blocks.labels(scheduler_instance=instance).set(n)
         self._indexed = set(blocks_by_instance)
         self._index_size.set(size)
 
@@ -427,14 +433,14 @@ class GatewayMetrics:
         self.nats = NatsMetrics(registry, "gateway")
         self._requests = Counter(
             "kubesgl_gateway_requests_total",
-            "HTTP requests answered, by model, endpoint and status code.",
-            ["model", "endpoint", "status"],
+            "HTTP requests answered, by model, route and status code.",
+            ["model", "route", "status"],
             registry=registry,
         )
         self._duration = Histogram(
             "kubesgl_gateway_request_duration_seconds",
-            "HTTP request latency until the last byte, by model and endpoint.",
-            ["model", "endpoint"],
+            "HTTP request latency until the last byte, by model and route.",
+            ["model", "route"],
             buckets=E2E_BUCKETS,
             registry=registry,
         )
@@ -516,7 +522,5 @@ class GatewayRequestMetrics:
         self._finished = True
         m = self._m
         m._in_flight.labels(model=self._model).dec()
-        m._duration.labels(model=self._model, endpoint=self._endpoint).observe(
-            time.perf_counter() - self._start
-        )
-        m._requests.labels(model=self._model, endpoint=self._endpoint, status=str(status)).inc()
+        m._duration.labels(model=self._model, route=self._endpoint).observe(time.perf_counter() - self._start)
+        m._requests.labels(model=self._model, route=self._endpoint, status=str(status)).inc()
