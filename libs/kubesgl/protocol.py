@@ -219,8 +219,8 @@ def decode(data: bytes, *types: type[M]) -> M:
 
 class StructMessage(msgspec.Struct, tag_field=_TYPE_KEY, tag=True):
     """Base of the messages every engine step sends (token and text deltas: ~50 k/s at GPU pace): msgspec Structs,
-    encoded, decoded and type-checked in C, 5-8x faster than the dataclass codec (docs/performance.md, serving
-    path). On the wire the same map as a Message: the fields plus the `msg` tag (required), unknown fields
+    encoded, decoded and type-checked in C, 10-26x faster than the dataclass codec (docs/performance.md, the
+    split's CPU cost). On the wire the same map as a Message: the fields plus the `msg` tag (required), unknown fields
     ignored. Only a body that fails is looked at again, so its refusal reads as a Message's does."""
 
     def to_bytes(self) -> bytes:
