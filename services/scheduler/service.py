@@ -7,7 +7,8 @@ deltas go to the detokenizer queue group as TokenDeltaBatch requests of at most 
 in flight at once so the queue group spreads one step over several replicas; each is retried until acked
 (delivery.py: at-least-once; the gateway drops duplicates by seq): a few NATS round trips per step, not one per
 request. Per request one delta is in flight at a time; tokens produced meanwhile ride in its next delta, sent
-when the batch holding the current one is acked.
+when the batch holding the current one is acked. `stream_interval` (SGLang's --stream-interval) holds a request's
+tokens back until that many are new (its first and last go at once): fewer, larger deltas at every hop.
 """
 
 from __future__ import annotations
@@ -75,9 +76,12 @@ class SchedulerService:
         delivery_give_up_s: float = 30.0,
         kv_event_block_size: int = 0,
         detok_batch_size: int = 64,
+        stream_interval: int = 1,
     ) -> None:
         if detok_batch_size < 1:
             raise ValueError(f"detok_batch_size must be >= 1, got {detok_batch_size}")
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
         self.nc = nc
         self.instance_id = instance_id
         self.model = model
@@ -86,6 +90,7 @@ class SchedulerService:
         self.detok_timeout_s = detok_timeout_s
         self.delivery_give_up_s = delivery_give_up_s
         self.detok_batch_size = detok_batch_size
+        self.stream_interval = stream_interval
         self.exit_code = 0
         self._stop = stop
         self._loop = asyncio.get_running_loop()
@@ -221,6 +226,7 @@ class SchedulerService:
             req.deadline,
             len(req.input_ids),
             wants_logprobs=req.sampling.logprobs is not None,
+            interval=self.stream_interval,
         )
         # Registered before the engine sees the request, so its first outputs always find the stream.
         self._streams[req.rid] = stream

@@ -2,7 +2,8 @@
 
 Each TokenDelta carries the tokens since the last delta behind up to DETOK_CONTEXT_TOKENS already-sent ones
 (kubesgl.text.incremental.delta_window), so any detokenizer replica can decode it. One delta per request is
-in flight at a time; tokens that arrive meanwhile ride in the next one.
+in flight at a time; tokens that arrive meanwhile ride in the next one. With a stream interval of k, a delta
+after the first waits until k tokens are new, unless the request finished.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ class RequestStream:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     wants_logprobs: bool = False
+    interval: int = 1  # after the first delta, one only once this many tokens are new (or the last is there)
     prompt_logprobs: list[TokenLogprob] | None = None  # until the first delta carries them
     cached_tokens: int = 0
     finished: bool = False
@@ -53,7 +55,8 @@ class RequestStream:
         """The next delta to send, or None when everything produced so far went out."""
         if self.abandoned or self.final_sent:
             return None
-        if self.sent == len(self.output_ids) and not self.finished:
+        new = len(self.output_ids) - self.sent
+        if not self.finished and (new == 0 or (self.seq > 0 and new < self.interval)):
             return None
         tokens, new_from = delta_window(self.output_ids, self.sent)
         delta = TokenDelta(

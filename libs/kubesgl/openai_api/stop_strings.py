@@ -34,6 +34,8 @@ class StopStringFilter(Generic[T]):
         """Feeds one delta; returns what can be released. After a stop string matched, nothing more is."""
         if self.stopped:
             return Released()
+        if not self._stops:  # nothing to hold back (most streams): the delta as it came
+            return Released(text, list(items or ()))
         start = self._received_chars
         self._received_chars += len(text)
         self._items.append((start, self._received_chars, list(items or ())))

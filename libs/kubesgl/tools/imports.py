@@ -9,7 +9,7 @@ functions and `if TYPE_CHECKING:` blocks count too) and reports:
 - an arrow against the floor order;
 - a module that no entry of `LAYERS` covers (a new package must be given its floor);
 - a `LIBRARY` module (the engine and what it stands on) importing the wire or the service side:
-  NATS, HTTP, Prometheus, OpenTelemetry, msgpack, pydantic, `kubesgl.codec`, `kubesgl.protocol` or
+  NATS, HTTP, Prometheus, OpenTelemetry, msgpack, msgspec, pydantic, `kubesgl.codec`, `kubesgl.protocol` or
   `kubesgl.service`.
 """
 
@@ -74,6 +74,7 @@ LIBRARY_FORBIDDEN = (
     "prometheus_client",
     "opentelemetry",
     "msgpack",
+    "msgspec",
     "pydantic",
     "kubesgl.codec",
     "kubesgl.protocol",

@@ -26,6 +26,7 @@ from kubesgl.protocol import (
     Heartbeat,
     SchedulerStats,
     TextDelta,
+    TextDeltaBatch,
     TokenizeRequest,
     TokenLogprob,
     gateway_subject,
@@ -211,6 +212,38 @@ async def test_out_of_order_and_duplicate_deltas_reach_the_client_in_order(gatew
     chunks = [e for e in events if isinstance(e, dict)]
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == "abcd"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+async def test_deltas_queued_while_a_stream_writes_go_out_as_one_chunk_and_a_later_one_alone(
+    gateway, mesh
+) -> None:
+    # Three deltas in one TextDeltaBatch (one NATS message) are all queued before the stream's next write: one
+    # SSE chunk carries them. A delta that arrives after that chunk went out is a chunk of its own.
+    mesh.plan = lambda req: []
+    async with (
+        httpx.AsyncClient(base_url=gateway.url, timeout=20) as client,
+        client.stream("POST", "/v1/chat/completions", json=_chat(stream=True, logprobs=True)) as s,
+    ):
+        req = mesh.requests[-1]
+        first = [
+            _delta(req.rid, mesh.instance, i, t, logprobs=[TokenLogprob(100 + i, -1.0)])
+            for i, t in enumerate("abc")
+        ]
+        await mesh.nc.publish(gateway_subject(req.gateway_id), TextDeltaBatch(first).to_bytes())
+        lines = s.aiter_lines()
+        chunks = []
+        async for line in lines:
+            if line.startswith("data: {"):
+                chunks.append(json.loads(line[6:]))
+                if chunks[-1]["choices"][0]["delta"].get("content"):
+                    break
+        last = _delta(req.rid, mesh.instance, 3, "d", finished=True, logprobs=[TokenLogprob(103, -1.0)])
+        await mesh.nc.publish(gateway_subject(req.gateway_id), last.to_bytes())
+        chunks += [json.loads(x[6:]) async for x in lines if x.startswith("data: {")]
+    contents = [c["choices"][0]["delta"].get("content") for c in chunks[1:]]
+    assert contents == ["abc", "d"]
+    assert [len(c["choices"][0]["logprobs"]["content"]) for c in chunks[1:]] == [3, 1]
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 

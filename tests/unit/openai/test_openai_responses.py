@@ -73,6 +73,22 @@ def test_chunks_and_sse_framing() -> None:
     assert sse("[DONE]") == b"data: [DONE]\n\n"
 
 
+def test_sse_bytes_are_json_dumps_bytes_for_every_text_and_float() -> None:
+    # Every code point but the surrogates, in one text: quotes, backslashes, control characters, emoji.
+    text = "".join(chr(c) for c in range(0x110000) if not 0xD800 <= c <= 0xDFFF)
+    chunks = [
+        completion_chunk("cmpl-1", 1, "m", 0, text, finish_reason=FinishReason.STOP),
+        chat_chunk("id", 1, "m", 0, {"content": text}),
+        completion_chunk(
+            "cmpl-1", 1, "m", 0, "he", [TokenLogprob(5, -3.8e-07), TokenLogprob(6, float("-inf"))]
+        ),
+        {"id": "x", "choices": [], "usage": usage_of([ChoiceResult(0, "a", None, completion_tokens=3)])},
+    ]
+    for chunk in chunks:
+        data = json.dumps(chunk, separators=(",", ":"), ensure_ascii=False)
+        assert sse(chunk) == f"data: {data}\n\n".encode()
+
+
 def test_wire_errors_keep_their_status_and_code() -> None:
     err = ErrorInfo(
         status=400, type="invalid_request_error", code="context_length_exceeded", message="long"

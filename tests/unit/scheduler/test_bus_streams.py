@@ -56,3 +56,16 @@ def test_abandoning_sends_an_error_with_the_next_seq_and_nothing_after() -> None
     err = s.abandon("i", ServiceUnavailableError("gone"))
     assert (err.seq, err.finished, err.finish_reason, err.error.status) == (1, True, "abort", 503)
     assert s.done and s.next_delta("i") is None
+
+
+def test_a_stream_interval_sends_the_first_token_at_once_then_every_k_and_the_last_at_once() -> None:
+    s = RequestStream("r", "gw", deadline=0.0, prompt_tokens=4, interval=3)
+    s.add(_out([1], 1), None)
+    first = s.next_delta("i")
+    assert first is not None and first.tokens == [1]  # the time to first token does not wait for the interval
+    sent = []
+    for t in range(2, 9):
+        s.add(_out([t], t, finished=t == 8), None)
+        if (delta := s.next_delta("i")) is not None:
+            sent.append(delta.tokens[delta.new_from :])
+    assert sent == [[2, 3, 4], [5, 6, 7], [8]] and s.done

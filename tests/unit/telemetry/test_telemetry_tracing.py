@@ -109,3 +109,17 @@ def test_an_escaping_exception_marks_the_span_as_error(receiver: OtlpReceiver) -
 def test_headers_without_traceparent_start_a_new_trace() -> None:
     for headers in (None, {}, {"kubesgl-rid": "r1"}, {"traceparent": "garbage"}):
         assert not extract(headers)
+
+
+def test_a_span_per_delta_is_worth_making_only_under_a_sampled_parent(
+    receiver: OtlpReceiver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tracing = Tracing("kubesgl-detokenizer")
+    assert tracing.records_under(PARENT)
+    unsampled = PARENT[:-2] + "00"
+    for parent in (unsampled, None, "", "garbage"):  # dropped by the sampler, or a trace of its own per delta
+        assert not tracing.records_under(parent)
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "always_on")  # a sampler that does not follow the parent
+    assert Tracing("kubesgl-detokenizer").records_under(unsampled)
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT")
+    assert not Tracing("kubesgl-detokenizer").records_under(PARENT)  # tracing off

@@ -47,6 +47,7 @@ class _Timeline:
     arrival_ns: int
     parent: Context
     current: Span  # queue until the first token, then decode
+    current_traceparent: str | None  # `current`'s, made once per span rather than once per token
     decoding: bool = False
     last_token_s: float = 0.0
 
@@ -81,7 +82,7 @@ class SchedulerTelemetry:
             parent = extract(headers)
             attrs = {**self._attrs, ATTR_RID: rid, ATTR_PROMPT_TOKENS: prompt_tokens}
             queue = self._tracing.start_span(SPAN_QUEUE, parent, attrs, start_time_ns=now_ns)
-            self._requests[rid] = _Timeline(now_s, now_ns, parent, queue)
+            self._requests[rid] = _Timeline(now_s, now_ns, parent, queue, traceparent(queue))
 
     def on_step_start(self) -> None:
         """The engine is about to run a step (its start is when this step's prefills began)."""
@@ -98,7 +99,7 @@ class SchedulerTelemetry:
                     continue
                 if out.new_token_ids:
                     self._on_tokens(out, t, now_s, now_ns)
-                parents[out.rid] = traceparent(t.current)
+                parents[out.rid] = t.current_traceparent
                 if out.finished:
                     del self._requests[out.rid]
                     self._finish(t, out.finish_reason, out.completion_tokens, now_s, now_ns)
@@ -134,6 +135,7 @@ class SchedulerTelemetry:
             prefill = self._tracing.start_span(SPAN_PREFILL, t.parent, attrs, start_time_ns=prefill_start_ns)
             prefill.end(end_time=now_ns)
             t.current = self._tracing.start_span(SPAN_DECODE, t.parent, self._attrs, start_time_ns=now_ns)
+            t.current_traceparent = traceparent(t.current)
             t.decoding = True
         t.last_token_s = now_s
 

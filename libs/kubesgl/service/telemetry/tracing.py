@@ -22,6 +22,7 @@ from opentelemetry.context import Context
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
+from opentelemetry.sdk.trace.sampling import ParentBased
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from opentelemetry.util.types import AttributeValue
@@ -67,6 +68,19 @@ class Tracing:
     @property
     def enabled(self) -> bool:
         return self._provider is not None
+
+    def records_under(self, parent_traceparent: str | None) -> bool:
+        """Whether a span under this W3C `traceparent` would be recorded: tracing on, a parent (no trace is
+        started here) that is sampled, or a sampler that does not follow its parent. What makes a span for
+        every delta asks first: a span the sampler drops costs more than the decode it would time."""
+        if self._provider is None or not parent_traceparent:
+            return False
+        if not isinstance(self._provider.sampler, ParentBased):
+            return True
+        try:
+            return bool(int(parent_traceparent.rsplit("-", 1)[1], 16) & 1)  # the flags' sampled bit
+        except (IndexError, ValueError):
+            return False
 
     def start_span(
         self,
