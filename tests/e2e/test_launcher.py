@@ -5,6 +5,7 @@ orphan process left."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import random
@@ -138,6 +139,38 @@ def test_up_caps_a_demo_request_without_max_tokens(demo_model_dir: str) -> None:
         assert proc.wait(90) == 0
     finally:
         if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_sigint_to_make_up_stops_the_stack(demo_model_dir: str) -> None:
+    """`kill -INT <make>`: GNU make hands a SIGINT on to nobody and waits for its recipe, which used to serve
+    on (45 s and more); `kubesgl up` notices make's signal and stops as on Ctrl-C, and make exits with it."""
+    repo = Path(__file__).resolve().parents[2]
+    args = f"--port {free_port()} --base-port 0 --device cpu --scheduler-args '--num-pages 4096'"
+    env = {**os.environ, "KUBESGL_CACHE": str(Path(demo_model_dir).parent), "PYTHONUNBUFFERED": "1"}
+    env.pop("MAKELEVEL", None)
+    env.pop("MAKEFLAGS", None)
+    # -o: never reinstall from here, whatever the install stamp's age.
+    cmd = ["make", "-C", str(repo), "-o", ".venv/.installed", "up", f"ARGS={args}"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    children: list[psutil.Process] = []
+    try:
+        lines = _lines(proc)
+        _wait_for(lines, "kubesgl: starting", 240)  # after this line `kubesgl up` is waiting for /ready
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert any("nats-server" in " ".join(c.cmdline()) for c in children)
+        proc.send_signal(signal.SIGINT)
+        # Stopping a stack still loading takes seconds (no request to drain); before, make waited forever.
+        assert proc.wait(60) == -signal.SIGINT  # make, its recipe done, dies of the signal it got
+        _wait_for(lines, "kubesgl: make was signalled: stopping", 5)
+        _, alive = psutil.wait_procs(children, timeout=10)
+        assert alive == [], f"orphans: {[p.cmdline() for p in alive]}"
+    finally:
+        if proc.poll() is None:
+            for c in children:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    c.kill()
             proc.kill()
             proc.wait()
 
