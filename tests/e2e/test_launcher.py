@@ -20,7 +20,15 @@ from urllib.parse import urlsplit
 import httpx
 import psutil
 import pytest
-from kubesgl.launcher import Stack, StackConfig, free_port, http_ok, planned_ports, port_free
+from kubesgl.launcher import (
+    DEMO_DEFAULT_MAX_TOKENS,
+    Stack,
+    StackConfig,
+    free_port,
+    http_ok,
+    planned_ports,
+    port_free,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -125,7 +133,7 @@ def test_up_caps_a_demo_request_without_max_tokens(demo_model_dir: str) -> None:
     try:
         lines = _lines(proc)
         cap = _wait_for(lines, "a request without max_tokens gets at most", 240)
-        assert "256 tokens" in cap
+        assert f"{DEMO_DEFAULT_MAX_TOKENS} tokens" in cap
         _wait_for(lines, "serving `demo` at", 240)
         reply = httpx.post(
             f"http://127.0.0.1:{port}/v1/chat/completions",
@@ -134,7 +142,10 @@ def test_up_caps_a_demo_request_without_max_tokens(demo_model_dir: str) -> None:
         )
         assert reply.status_code == 200, reply.text
         body = reply.json()
-        assert body["usage"]["completion_tokens"] == 256 and body["choices"][0]["finish_reason"] == "length"
+        assert (
+            body["usage"]["completion_tokens"] == DEMO_DEFAULT_MAX_TOKENS
+            and body["choices"][0]["finish_reason"] == "length"
+        )
         proc.send_signal(signal.SIGINT)
         assert proc.wait(90) == 0
     finally:
