@@ -315,6 +315,29 @@ BAD_INPUTS = [
         400,
         "frobnicate",
     ),
+    # One path syntax in `param` (OpenAI's), however deep the field: once `unsupported field: None` and
+    # `tools.0` with a Python-repr path in the message.
+    (
+        json.dumps({"model": "demo", "messages": [{"role": "user", "content": "x"}], "": 1}).encode(),
+        400,
+        '[""]',
+    ),
+    (
+        json.dumps(
+            {
+                "model": "demo",
+                "messages": [{"role": "user", "content": "x"}],
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": {"maximum": 2**64}}}],
+            }
+        ).encode(),
+        400,
+        "tools[0].function.parameters.maximum",
+    ),
+    (
+        json.dumps({"model": "demo", "messages": [{"role": "user", "content": 5}]}).encode(),
+        400,
+        "messages[0].content",
+    ),
 ]
 
 
