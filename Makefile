@@ -25,8 +25,10 @@ $(STAMP): pyproject.toml setup.py | $(BIN)/python
 
 install: $(STAMP)
 
+# exec: the recipe's shell (there is one when ARGS holds quotes) becomes `kubesgl up`, so the SIGTERM make
+# hands on reaches it; a SIGINT make keeps to itself, and `kubesgl up` watches for that (launcher.MakeParent).
 up: $(STAMP)
-	$(BIN)/kubesgl up $(ARGS)
+	exec $(BIN)/kubesgl up $(ARGS)
 
 # Everything, as CI runs it (.ci/run).
 test: $(STAMP)

@@ -20,6 +20,8 @@ from typing import Any, NewType, TypeVar
 
 import msgpack
 
+from kubesgl.errors import join_paths, param_path
+
 # JSON as the client sent it (chat_template_kwargs, tool schemas): null, bool, number, string, list, object.
 JsonValue = NewType("JsonValue", object)
 
@@ -40,9 +42,8 @@ class BadValueError(ProtocolError):
         super().__init__(why)
         self.why, self.path = why, path
 
-    def within(self, part: str) -> BadValueError:
-        sep = "" if not self.path or self.path.startswith("[") else "."
-        return BadValueError(self.why, part + sep + self.path)
+    def within(self, part: str | int) -> BadValueError:
+        return BadValueError(self.why, join_paths(param_path("", part), self.path))
 
     def __str__(self) -> str:
         return f"{self.path} {self.why}" if self.path else self.why
@@ -285,7 +286,7 @@ def _sequence(origin: type, item_type: Any) -> _Decode:
             try:
                 out.append(item(x))
             except BadValueError as e:
-                raise e.within(f"[{i}]") from None
+                raise e.within(i) from None
         return build(out)
 
     return items
@@ -309,7 +310,7 @@ def _mapping(kdec: _Decode, vdec: _Decode) -> _Decode:
             try:
                 out[kdec(k)] = vdec(x)
             except BadValueError as e:
-                raise e.within(f"[{k!r:.40}]") from None
+                raise e.within(k if isinstance(k, int) else str(k)[:40]) from None
         return out
 
     return mapping

@@ -2,6 +2,29 @@
 
 from __future__ import annotations
 
+import json
+import re
+
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def param_path(path: str, *parts: str | int) -> str:
+    """`path` extended by `parts`, in the one syntax every 400's `param` uses (OpenAI's): `tools[0].function.name`;
+    a key that is not a plain name stands in JSON quotes, `logit_bias["5"]`, `[""]`. `path` may be ""."""
+    for part in parts:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif _NAME.fullmatch(part):
+            path += f".{part}" if path else part
+        else:
+            path += f"[{json.dumps(part)}]"
+    return path
+
+
+def join_paths(path: str, rest: str) -> str:
+    """Two paths in that syntax, one after the other (`rest` as param_path builds it from "")."""
+    return path + rest if not path or not rest or rest.startswith("[") else f"{path}.{rest}"
+
 
 class KubesglError(Exception):
     """Base class. `status` is the HTTP status the gateway answers with; `code` the OpenAI error code."""

@@ -349,6 +349,36 @@ def resolve_model(model: str, served_model_name: str | None) -> tuple[str, str]:
     return model, served_model_name or os.path.basename(os.path.normpath(model))
 
 
+class MakeParent:
+    """Under `make up`: notices a signal sent to make itself. GNU make hands only SIGTERM on to its recipe;
+    on SIGINT (`kill -INT <make>`) it waits for the recipe to end, so `kubesgl up` would never hear of it.
+    make's handler for a fatal signal first resets that signal to its default, which /proc shows: the
+    signal leaves the parent's caught set (SigCgt). Linux only; elsewhere, or without make, it never fires."""
+
+    _WATCHED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+    def __init__(self) -> None:
+        self._ppid = os.getppid()
+        caught = _caught_signals(self._ppid) if "MAKELEVEL" in os.environ else None
+        self._watched = {s for s in self._WATCHED if caught is not None and s in caught}
+
+    def signalled(self) -> bool:
+        if not self._watched or os.getppid() != self._ppid:
+            return False
+        caught = _caught_signals(self._ppid)
+        return caught is not None and not self._watched <= caught
+
+
+def _caught_signals(pid: int) -> set[int] | None:
+    """The signals process `pid` has a handler for (its /proc status SigCgt mask), or None when unreadable."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+    return {n for n in range(1, 65) if mask >> (n - 1) & 1}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", default=DEMO, help="HF model dir, or `demo` (tiny random Qwen3, built once)"
@@ -418,6 +448,7 @@ def main(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    make = MakeParent()
     code = 0
     try:
         try:
@@ -432,10 +463,10 @@ def main(args: argparse.Namespace) -> int:
                 "(the demo model never stops by itself; --scheduler-args '--default-max-tokens N' to change)",
                 flush=True,
             )
-        code = _wait_ready(stack, args.ready_timeout, stopping)
+        code = _wait_ready(stack, args.ready_timeout, stopping, make)
         if code == 0 and not stopping:
             print(_serving_banner(stack, name), flush=True)
-            code = _supervise(stack, stopping)
+            code = _supervise(stack, stopping, make)
     finally:
         print("kubesgl: shutting down", flush=True)
         stack.stop()
@@ -467,9 +498,17 @@ def _summary(c: StackConfig) -> str:
     return ", ".join(f"{n} {k}(s)" for n, k in zip(counts, STOP_ORDER, strict=True))
 
 
-def _wait_ready(stack: Stack, timeout_s: float, stopping: list[int]) -> int:
+def _stopping(stopping: list[int], make: MakeParent) -> bool:
+    """Whether a stop was asked for: a signal to us, or one to the make that runs us (taken as Ctrl-C)."""
+    if not stopping and make.signalled():
+        print("kubesgl: make was signalled: stopping", file=sys.stderr, flush=True)
+        stopping.append(signal.SIGINT)
+    return bool(stopping)
+
+
+def _wait_ready(stack: Stack, timeout_s: float, stopping: list[int], make: MakeParent) -> int:
     end = time.monotonic() + timeout_s
-    while not stopping:
+    while not _stopping(stopping, make):
         try:
             stack.wait_ready(min(1.0, max(0.0, end - time.monotonic())))
             return 0
@@ -485,9 +524,10 @@ def _wait_ready(stack: Stack, timeout_s: float, stopping: list[int]) -> int:
     return 0
 
 
-def _supervise(stack: Stack, stopping: list[int]) -> int:
-    """Waits for Ctrl-C/SIGTERM; a service that dies on its own takes the stack down (exit 1)."""
-    while not stopping:
+def _supervise(stack: Stack, stopping: list[int], make: MakeParent) -> int:
+    """Waits for Ctrl-C/SIGTERM (to us, or to the make that runs us); a service that dies on its own takes
+    the stack down (exit 1)."""
+    while not _stopping(stopping, make):
         dead = stack.dead()
         if dead:
             for s in dead:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Self, TypeVar
+from typing import Any, NamedTuple, Self, TypeVar
 
 import msgspec
 
@@ -37,6 +37,7 @@ from kubesgl.errors import (
     ModelNotFoundError,
     ServiceUnavailableError,
     UnsupportedModelError,
+    param_path,
 )
 from kubesgl.values.constraint import Constraint
 from kubesgl.values.outputs import FinishReason, TokenLogprob
@@ -106,37 +107,46 @@ MAX_JSON_DEPTH = 32
 MAX_JSON_STRING = 1 << 16
 
 
-def json_value_error(value: Any, where: str) -> str | None:
-    """Why `value` (parsed JSON) cannot travel on the wire, naming the offending path; None when it can."""
+class JsonValueError(NamedTuple):
+    """Why a JSON value cannot travel on the wire: `path` (errors.param_path's syntax) and what is wrong there."""
+
+    path: str
+    why: str
+
+    def __str__(self) -> str:
+        return f"{self.path} {self.why}" if self.path else self.why
+
+
+def json_value_error(value: Any, where: str) -> JsonValueError | None:
+    """Why `value` (parsed JSON) cannot travel on the wire, naming the offending path below `where`; None when
+    it can."""
     return _json_error(value, where, where, 0)
 
 
-def _json_error(value: Any, root: str, where: str, depth: int) -> str | None:
+def _json_error(value: Any, root: str, where: str, depth: int) -> JsonValueError | None:
     if depth > MAX_JSON_DEPTH:
-        return f"{root} is nested deeper than {MAX_JSON_DEPTH} levels"
+        return JsonValueError(root, f"is nested deeper than {MAX_JSON_DEPTH} levels")
     if value is None or isinstance(value, bool):
         return None
     if isinstance(value, int):
-        return (
-            None if WIRE_INT_MIN <= value <= WIRE_INT_MAX else f"{where} is outside the 64-bit integer range"
-        )
+        ok = WIRE_INT_MIN <= value <= WIRE_INT_MAX
+        return None if ok else JsonValueError(where, "is outside the 64-bit integer range")
     if isinstance(value, float):
-        return None if math.isfinite(value) else f"{where} is not a finite number"
+        return None if math.isfinite(value) else JsonValueError(where, "is not a finite number")
     if isinstance(value, str):
-        return (
-            None if len(value) <= MAX_JSON_STRING else f"{where} is longer than {MAX_JSON_STRING} characters"
-        )
+        ok = len(value) <= MAX_JSON_STRING
+        return None if ok else JsonValueError(where, f"is longer than {MAX_JSON_STRING} characters")
     if isinstance(value, list):
-        items = ((f"{where}[{i}]", v) for i, v in enumerate(value))
+        items = ((param_path(where, i), v) for i, v in enumerate(value))
     elif isinstance(value, dict):
         for k in value:
             if not isinstance(k, str):
-                return f"{where} has a non-string key {k!r}"
+                return JsonValueError(where, f"has a non-string key {k!r}")
             if len(k) > MAX_JSON_STRING:
-                return f"{where} has a key longer than {MAX_JSON_STRING} characters"
-        items = ((f"{where}[{k!r}]", v) for k, v in value.items())
+                return JsonValueError(where, f"has a key longer than {MAX_JSON_STRING} characters")
+        items = ((param_path(where, k), v) for k, v in value.items())
     else:
-        return f"{where} holds a {type(value).__name__}, which is not a JSON value"
+        return JsonValueError(where, f"holds a {type(value).__name__}, which is not a JSON value")
     return next((e for path, v in items if (e := _json_error(v, root, path, depth + 1))), None)
 
 

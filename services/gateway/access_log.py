@@ -1,6 +1,7 @@
 """The gateway's access log: one INFO line per HTTP request once its response has ended (a stream: after its
 last byte), with what an operator needs and nothing of the content — method, path, status, and for generation
-requests the request id, prompt / completion tokens, time to first token and duration. Never the prompt, the
+requests the request id, prompt / completion tokens, time to first token (streams only: a non-streamed answer
+sends its first token with its last, so its line shows `ttft=-`) and duration. Never the prompt, the
 output or the query string (tests/e2e/test_log_privacy.py). Probes and scrapes log at DEBUG only, so a kubelet
 polling /ready does not drown the log. uvicorn's own access log stays off (app.py).
 
@@ -50,7 +51,7 @@ class AccessRecord:
     status: int | None = None  # how the request really ended (a stream's error status; 499: client gone)
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    ttft_s: float | None = None
+    ttft_s: float | None = None  # None for a non-streamed answer (and a stream that sent no token)
 
 
 def record_of(scope: Scope) -> AccessRecord:

@@ -53,7 +53,7 @@ async def respond(
     except BaseException:
         _close(group, scope, 500)
         raise
-    scope.metrics.on_tokens(sum(r.completion_tokens for r in results))
+    scope.metrics.on_answer(sum(r.completion_tokens for r in results))
     _close(group, scope, 200)
     return JSONResponse(encoder.final(results))
 

@@ -67,7 +67,8 @@ def prompt_ids(req: TokenizeRequest, tokenizer: ModelTokenizer) -> list[int]:
     else:
         ids = _token_ids(req.input_ids or [], tokenizer.vocab_size)
     if not ids:
-        raise InvalidRequestError("the prompt is empty", param=_prompt_param(req))
+        param = _prompt_param(req)
+        raise InvalidRequestError(f"{param} must not be empty", param=param)  # the gateway's words
     return ids
 
 

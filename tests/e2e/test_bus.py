@@ -130,7 +130,7 @@ async def test_logprobs_carry_token_strings_and_bytes(client: BusClient, tokeniz
         ({"params": SamplingParams(max_tokens=40960)}, 400, "context_length_exceeded",
          "This model's maximum context length is 40960 tokens. However, you requested 40965 tokens "
          "(5 in the prompt, 40960 in the completion)."),
-        ({"prompt": ""}, 400, None, "the prompt is empty"),
+        ({"prompt": ""}, 400, None, "prompt must not be empty"),
         ({"sampling": {"temperature": -1.0}}, 400, None, "temperature must be >= 0"),
         ({"sampling": {"best_of": 2}}, 400, None, "unsupported sampling parameter(s): best_of"),
         ({"kind": "tokens", "prompt": None, "input_ids": [1, 10**7]}, 400, None, "outside the vocabulary"),

@@ -29,6 +29,7 @@ from prompt_toolkit import PromptSession
 from prompt_toolkit.input import create_pipe_input
 from prompt_toolkit.output import DummyOutput
 from support.numerics import logprob_tolerance
+from support.waiting import wait_until
 
 MODEL = "demo"
 CONTEXT = 256
@@ -319,6 +320,29 @@ BAD_INPUTS = [
         400,
         "frobnicate",
     ),
+    # One path syntax in `param` (OpenAI's), however deep the field: once `unsupported field: None` and
+    # `tools.0` with a Python-repr path in the message.
+    (
+        json.dumps({"model": "demo", "messages": [{"role": "user", "content": "x"}], "": 1}).encode(),
+        400,
+        '[""]',
+    ),
+    (
+        json.dumps(
+            {
+                "model": "demo",
+                "messages": [{"role": "user", "content": "x"}],
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": {"maximum": 2**64}}}],
+            }
+        ).encode(),
+        400,
+        "tools[0].function.parameters.maximum",
+    ),
+    (
+        json.dumps({"model": "demo", "messages": [{"role": "user", "content": 5}]}).encode(),
+        400,
+        "messages[0].content",
+    ),
 ]
 
 
@@ -428,6 +452,35 @@ def test_native_generate_models_ready_and_metrics(url, offline, tokenizer, demo_
             in metrics
         )
         assert "kubesgl_gateway_time_to_first_token_seconds_bucket" in metrics
+
+
+def test_ttft_is_a_streams_own_and_a_non_streamed_answer_has_none(served: Stack, client) -> None:
+    """A non-streamed answer sends its first token with its last: its access line says `ttft=-` (it used to
+    repeat the duration) and it adds nothing to the gateway's TTFT histogram; a stream's line times its first
+    token."""
+    ttft_count = "kubesgl_gateway_time_to_first_token_seconds_count"
+
+    def ttfts() -> float:
+        metrics = httpx.get(f"{served.gateway_urls[0]}/metrics", timeout=30).text
+        return sum(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith(ttft_count))
+
+    def access_line(rid: str) -> str:
+        log = (served.workdir / "gateway-0.log").read_text(errors="replace")
+        return next((line for line in log.splitlines() if f"rid={rid} " in line), "")
+
+    messages = [{"role": "user", "content": "time me"}]
+    before = ttfts()
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4)
+    line = wait_until(lambda: access_line(whole.id), f"the access line of {whole.id}")
+    assert " ttft=- " in line, line
+    assert ttfts() == before
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, stream=True)
+    rid = [chunk.id for chunk in stream][0]
+    line = wait_until(lambda: access_line(rid), f"the access line of {rid}")
+    ttft = float(line.split(" ttft=")[1].split("s ")[0])
+    duration = float(line.split(" duration=")[1].removesuffix("s"))
+    assert 0 < ttft <= duration, line
+    assert ttfts() == before + 1
 
 
 def test_shell_streams_replies_keeps_history_and_resets(url, offline, tokenizer) -> None:

@@ -5,6 +5,7 @@ orphan process left."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import random
@@ -19,7 +20,15 @@ from urllib.parse import urlsplit
 import httpx
 import psutil
 import pytest
-from kubesgl.launcher import Stack, StackConfig, free_port, http_ok, planned_ports, port_free
+from kubesgl.launcher import (
+    DEMO_DEFAULT_MAX_TOKENS,
+    Stack,
+    StackConfig,
+    free_port,
+    http_ok,
+    planned_ports,
+    port_free,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -124,7 +133,7 @@ def test_up_caps_a_demo_request_without_max_tokens(demo_model_dir: str) -> None:
     try:
         lines = _lines(proc)
         cap = _wait_for(lines, "a request without max_tokens gets at most", 240)
-        assert "256 tokens" in cap
+        assert f"{DEMO_DEFAULT_MAX_TOKENS} tokens" in cap
         _wait_for(lines, "serving `demo` at", 240)
         reply = httpx.post(
             f"http://127.0.0.1:{port}/v1/chat/completions",
@@ -133,11 +142,46 @@ def test_up_caps_a_demo_request_without_max_tokens(demo_model_dir: str) -> None:
         )
         assert reply.status_code == 200, reply.text
         body = reply.json()
-        assert body["usage"]["completion_tokens"] == 256 and body["choices"][0]["finish_reason"] == "length"
+        assert (
+            body["usage"]["completion_tokens"] == DEMO_DEFAULT_MAX_TOKENS
+            and body["choices"][0]["finish_reason"] == "length"
+        )
         proc.send_signal(signal.SIGINT)
         assert proc.wait(90) == 0
     finally:
         if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_sigint_to_make_up_stops_the_stack(demo_model_dir: str) -> None:
+    """`kill -INT <make>`: GNU make hands a SIGINT on to nobody and waits for its recipe, which used to serve
+    on (45 s and more); `kubesgl up` notices make's signal and stops as on Ctrl-C, and make exits with it."""
+    repo = Path(__file__).resolve().parents[2]
+    args = f"--port {free_port()} --base-port 0 --device cpu --scheduler-args '--num-pages 4096'"
+    env = {**os.environ, "KUBESGL_CACHE": str(Path(demo_model_dir).parent), "PYTHONUNBUFFERED": "1"}
+    env.pop("MAKELEVEL", None)
+    env.pop("MAKEFLAGS", None)
+    # -o: never reinstall from here, whatever the install stamp's age.
+    cmd = ["make", "-C", str(repo), "-o", ".venv/.installed", "up", f"ARGS={args}"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    children: list[psutil.Process] = []
+    try:
+        lines = _lines(proc)
+        _wait_for(lines, "kubesgl: starting", 240)  # after this line `kubesgl up` is waiting for /ready
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert any("nats-server" in " ".join(c.cmdline()) for c in children)
+        proc.send_signal(signal.SIGINT)
+        # Stopping a stack still loading takes seconds (no request to drain); before, make waited forever.
+        assert proc.wait(60) == -signal.SIGINT  # make, its recipe done, dies of the signal it got
+        _wait_for(lines, "kubesgl: make was signalled: stopping", 5)
+        _, alive = psutil.wait_procs(children, timeout=10)
+        assert alive == [], f"orphans: {[p.cmdline() for p in alive]}"
+    finally:
+        if proc.poll() is None:
+            for c in children:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    c.kill()
             proc.kill()
             proc.wait()
 

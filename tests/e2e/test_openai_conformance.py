@@ -60,8 +60,11 @@ REFUSED_VALUES = {
     ("prompt", "outside the vocabulary"): "a token id outside the model's vocabulary names no token",
     ("prompt", "token ids must be >= 0"): "a negative token id names no token",
     ("prompt", "than or equal to"): "a token id beyond int64 names no token",
-    ("prompt", "the prompt is empty"): "the engine needs a token to start from (null means the default)",
-    ("prompt", "prompt must not be empty"): "an empty list of prompts asks for nothing",
+    (
+        "prompt",
+        "must not be empty",
+    ): "the engine needs a token to start from (null means the default); an empty "
+    "list of prompts asks for nothing",
     ("stop", "stop strings must not be empty"): "an empty stop string would match before every token",
     ("logit_bias", "keys must be token ids"): "a key that is not a token id names no token",
     ("logit_bias", "outside the vocabulary"): "an id outside the model's vocabulary names no token",

@@ -7,7 +7,8 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kubesgl.errors import InvalidRequestError, KubesglError
+from kubesgl.errors import InvalidRequestError, KubesglError, join_paths, param_path
+from kubesgl.openai_api.request_models import WIRE_JSON_ERROR
 
 _TYPE_TAG = re.compile(r"[\[\-]")
 _TYPE_NAMES = frozenset({"str", "int", "float", "bool"})
@@ -27,13 +28,20 @@ def error_from_validation(errors: Sequence[Mapping[str, Any]]) -> InvalidRequest
     if first.get("type") == "json_invalid":
         detail = (first.get("ctx") or {}).get("error", first.get("msg"))
         return InvalidRequestError(f"malformed JSON body: {detail}")
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    loc = (
+        list(first.get("loc", ()))[1:] if first.get("loc", ("",))[0] == "body" else list(first.get("loc", ()))
+    )
     # Union branches show up in `loc` as type tags ("list[int]", "constrained-str"); no field of the request.
-    param = ".".join(p for p in loc if not _TYPE_TAG.search(p) and p not in _TYPE_NAMES) or None
+    parts = [p for p in loc if isinstance(p, int) or not (_TYPE_TAG.search(p) or p in _TYPE_NAMES)]
+    param = param_path("", *parts) if parts else None
     if first.get("type") == "extra_forbidden":
         return InvalidRequestError(f"unsupported field: {param}", param=param)
     if first.get("type") == "missing" and not param:
         return InvalidRequestError("request body is required (JSON object)")
+    if first.get("type") == WIRE_JSON_ERROR:
+        ctx = first.get("ctx") or {}
+        param = join_paths(param or "", str(ctx.get("path", ""))) or None
+        return InvalidRequestError(f"{param} {ctx.get('why')}" if param else str(ctx.get("why")), param=param)
     msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")  # our validators' own words
     where = f"{param}: " if param and not msg.startswith(param) else ""
     return InvalidRequestError(f"{where}{msg}", param=param)

@@ -4,8 +4,9 @@ protocol ChatMessages, or one PromptInput per completion prompt (text or token i
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from kubesgl.errors import InvalidRequestError
+from kubesgl.errors import InvalidRequestError, param_path
 from kubesgl.openai_api import request_models
 from kubesgl.openai_api.chat_history import template_messages
 from kubesgl.protocol import ChatMessage, ChatToolCall, json_value_error
@@ -30,7 +31,7 @@ def chat_messages(messages: list[request_models.ChatMessage]) -> tuple[ChatMessa
         for j, tc in enumerate(m.get("tool_calls", ())):
             where = f"messages[{i}].tool_calls[{j}].function.arguments"
             if error := json_value_error(tc["function"]["arguments"], where):  # it travels as msgpack
-                raise InvalidRequestError(error, param=where)
+                raise InvalidRequestError(str(error), param=error.path)
             calls.append(ChatToolCall(tc["function"]["name"], tc["function"]["arguments"], tc.get("id")))
         out.append(ChatMessage(m["role"], m["content"], m.get("name"), tuple(calls), m.get("tool_call_id")))
     return tuple(out)
@@ -44,26 +45,28 @@ DEFAULT_PROMPT = "<|endoftext|>"
 def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]] | None) -> list[PromptInput]:
     if prompt is None:
         prompt = DEFAULT_PROMPT
-    if isinstance(prompt, str):
-        return [PromptInput(text=prompt)]
-    if not prompt:
-        raise InvalidRequestError("prompt must not be empty", param="prompt")
-    if all(isinstance(p, int) for p in prompt):
-        return [PromptInput(input_ids=_token_ids(prompt))]
+    if isinstance(prompt, str) or (prompt and all(isinstance(p, int) for p in prompt)):
+        return [_prompt(prompt, "prompt")]
+    _not_empty(prompt, "prompt")
     if len(prompt) > MAX_BATCH_PROMPTS:
         raise InvalidRequestError(f"at most {MAX_BATCH_PROMPTS} prompts per request", param="prompt")
-    if all(isinstance(p, str) for p in prompt):
-        return [PromptInput(text=p) for p in prompt]
-    return [PromptInput(input_ids=_token_ids(p)) for p in prompt]
+    return [_prompt(p, param_path("prompt", i)) for i, p in enumerate(prompt)]  # type: ignore[arg-type]
 
 
 def native_prompt(text: str | None, input_ids: list[int] | None) -> PromptInput:
-    return PromptInput(text=text) if text is not None else PromptInput(input_ids=_token_ids(input_ids or []))
+    return _prompt(text, "text") if text is not None else _prompt(input_ids or [], "input_ids")
 
 
-def _token_ids(ids: list[int]) -> tuple[int, ...]:
-    if not ids:
-        raise InvalidRequestError("a token-id prompt must not be empty", param="prompt")
-    if any(not 0 <= i < 2**63 for i in ids):
-        raise InvalidRequestError("token ids must be >= 0 and 64-bit", param="prompt")
-    return tuple(ids)
+def _prompt(prompt: str | list[int], where: str) -> PromptInput:
+    """One prompt, text or token ids; empty either way is the same 400 (the engine needs a token to start from)."""
+    _not_empty(prompt, where)
+    if isinstance(prompt, str):
+        return PromptInput(text=prompt)
+    if any(not 0 <= i < 2**63 for i in prompt):
+        raise InvalidRequestError(f"{where}: token ids must be >= 0 and 64-bit", param=where)
+    return PromptInput(input_ids=tuple(prompt))
+
+
+def _not_empty(prompt: str | list[Any], where: str) -> None:
+    if not prompt:
+        raise InvalidRequestError(f"{where} must not be empty", param=where)

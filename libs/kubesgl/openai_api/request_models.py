@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic_core import PydanticCustomError
 
 from kubesgl.protocol import WIRE_INT_MAX, WIRE_INT_MIN, json_value_error
 
@@ -19,14 +20,17 @@ def _integral(value: Any) -> Any:
     return value
 
 
+WIRE_JSON_ERROR = "wire_json"  # the pydantic error type of a JSON value the wire cannot carry
+
 # Every integer a client sends travels as a msgpack int64: out of that range is a 400 naming the field.
 Int = Annotated[int, BeforeValidator(_integral), Field(ge=WIRE_INT_MIN, le=WIRE_INT_MAX)]
 ShortStr = Annotated[str, Field(max_length=512)]
 
 
-def _wire_json(value: Any, info: ValidationInfo) -> Any:
-    if error := json_value_error(value, info.field_name or "value"):
-        raise ValueError(error)
+def _wire_json(value: Any) -> Any:
+    # The path below the value travels in ctx: http_errors puts it after the field's own (`tools[0].function`).
+    if error := json_value_error(value, ""):
+        raise PydanticCustomError(WIRE_JSON_ERROR, "{why}", {"path": error.path, "why": error.why})
     return value
 
 

@@ -106,7 +106,7 @@ def test_completion_logprobs_int_means_top_n() -> None:
         ({"logit_bias": {"a": 5.0}}, "logit_bias"),
         ({"logit_bias": {"-1": 5.0}}, "logit_bias"),
         ({"logit_bias": {"1": 100.5}}, "logit_bias"),
-        ({"logit_bias": {"1": "x"}}, "logit_bias.1"),
+        ({"logit_bias": {"1": "x"}}, 'logit_bias["1"]'),
         ({"best_of": 2}, "best_of"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"stop": [""]}, "stop"),
@@ -255,11 +255,11 @@ def test_malformed_json_is_a_400() -> None:
         ),
         (
             '{"model": "m", "messages": [{"role": "user", "content": "x"}], "stop_token_ids": [99999999999999999999]}',
-            "stop_token_ids.0",  # the element, as for messages.0.name
+            "stop_token_ids[0]",  # the element, as for messages[0].name
         ),
         (
             '{"model": "m", "messages": [{"role": "user", "content": "x", "name": "%s"}]}' % ("b" * 513),
-            "messages.0.name",  # accepted (passed to the template), but a short string
+            "messages[0].name",  # accepted (passed to the template), but a short string
         ),
     ],
 )
@@ -336,3 +336,46 @@ def test_logit_bias_becomes_id_bias_pairs() -> None:
     assert _chat(logit_bias={"11": -100, "7": 2.5}).params.logit_bias == ((11, -100.0), (7, 2.5))
     assert _completion(logit_bias={"0": 100}).params.logit_bias == ((0, 100.0),)
     assert _chat().params.logit_bias == ()
+
+
+def _refusal_of(model: type, body: dict[str, Any]) -> InvalidRequestError:
+    with pytest.raises(ValidationError) as info:
+        model.model_validate(body)
+    return error_from_validation(info.value.errors())
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "message"),
+    [
+        ({"": 1}, '[""]', 'unsupported field: [""]'),  # was "unsupported field: None"
+        ({"a b": 1}, '["a b"]', 'unsupported field: ["a b"]'),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "messages[0].content: "),
+        ({"logit_bias": {"1": "x"}}, 'logit_bias["1"]', 'logit_bias["1"]: '),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"minimum": 2**64}}}]},
+            "tools[0].function.parameters.minimum",
+            "tools[0].function.parameters.minimum is outside the 64-bit integer range",  # was tools.0: tools['…
+        ),
+        (
+            {"chat_template_kwargs": {"a": [0, 2**64]}},
+            "chat_template_kwargs.a[1]",
+            "chat_template_kwargs.a[1] is",
+        ),
+    ],
+)
+def test_every_refusal_names_its_field_in_one_path_syntax(
+    body: dict[str, Any], param: str, message: str
+) -> None:
+    err = _refusal_of(ChatCompletionRequest, {"model": "m", "messages": MSG, **body})
+    assert err.param == param and err.message.startswith(message), err.message
+
+
+@pytest.mark.parametrize(
+    ("prompt", "param"),
+    [("", "prompt"), ([], "prompt"), ([[]], "prompt[0]"), (["a", ""], "prompt[1]"), ([[1], []], "prompt[1]")],
+)
+def test_an_empty_prompt_gets_one_message_whatever_its_shape(prompt: Any, param: str) -> None:
+    """`prompt: ""` used to pass the gateway and be refused by the tokenizer in other words than `prompt: []`."""
+    with pytest.raises(InvalidRequestError) as info:
+        completion_prompts(prompt)
+    assert (info.value.param, info.value.message) == (param, f"{param} must not be empty")

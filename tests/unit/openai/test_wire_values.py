@@ -44,16 +44,19 @@ def test_the_fuzz_case_that_was_a_500_is_a_400() -> None:
     # Found by tests/e2e/test_fuzz_gateway.py on a clean clone: msgpack raised OverflowError in the gateway.
     body = '{"messages":[{"role":"user","content":""}],"model":"demo","chat_template_kwargs":{"":-9223372036854775809},"max_tokens":4,"n":2}'
     param, message = _refusal(body)
-    assert param == "chat_template_kwargs" and "64-bit" in message and "['']" in message
+    assert param == 'chat_template_kwargs[""]' and "64-bit" in message and message.startswith(param)
 
 
 @pytest.mark.parametrize("value", [2**63, -(2**63) - 1, 2**64, -(10**30)])
 def test_out_of_range_integers_anywhere_are_400(value: int) -> None:
-    assert _refusal({**BASE, "chat_template_kwargs": {"a": {"b": [0, value]}}})[0] == "chat_template_kwargs"
-    assert _refusal({**BASE, "tools": [{"type": "function", "x": value}]})[0] == "tools.0"
+    assert (
+        _refusal({**BASE, "chat_template_kwargs": {"a": {"b": [0, value]}}})[0]
+        == "chat_template_kwargs.a.b[1]"
+    )
+    assert _refusal({**BASE, "tools": [{"type": "function", "x": value}]})[0] == "tools[0].x"
     assert _refusal({**BASE, "seed": value})[0] == "seed"
     assert _refusal({**BASE, "n": value})[0] == "n"
-    assert _refusal({"model": "demo", "prompt": [[1, value]]}, CompletionRequest)[0] == "prompt.0.1"
+    assert _refusal({"model": "demo", "prompt": [[1, value]]}, CompletionRequest)[0] == "prompt[0][1]"
 
 
 def test_the_int64_bounds_themselves_are_accepted() -> None:
@@ -67,7 +70,7 @@ def test_the_int64_bounds_themselves_are_accepted() -> None:
 def test_non_finite_numbers_in_free_form_json_are_400(literal: str) -> None:
     body = json.dumps(BASE)[:-1] + f', "chat_template_kwargs": {{"t": [1.5, {literal}]}}}}'
     param, message = _refusal(body)
-    assert param == "chat_template_kwargs" and "finite" in message
+    assert param == "chat_template_kwargs.t[1]" and "finite" in message
 
 
 def test_over_deep_nesting_is_400() -> None:
@@ -78,7 +81,7 @@ def test_over_deep_nesting_is_400() -> None:
 
 def test_oversize_strings_are_400_naming_the_field() -> None:
     long = "x" * (MAX_JSON_STRING + 1)
-    assert _refusal({**BASE, "chat_template_kwargs": {"system": long}})[0] == "chat_template_kwargs"
+    assert _refusal({**BASE, "chat_template_kwargs": {"system": long}})[0] == "chat_template_kwargs.system"
     assert _refusal({**BASE, "chat_template_kwargs": {long: 1}})[0] == "chat_template_kwargs"
     assert _refusal({**BASE, "user": "u" * 513})[0] == "user"
     assert _refusal({**BASE, "model": "m" * 513})[0] == "model"
@@ -86,8 +89,8 @@ def test_oversize_strings_are_400_naming_the_field() -> None:
 
 def test_non_string_keys_are_refused() -> None:
     # JSON keys are always strings; a library caller handing the models a Python dict is checked the same way.
-    assert "non-string key" in (json_value_error({"a": {1: "x"}}, "chat_template_kwargs") or "")
-    assert "not a JSON value" in (json_value_error({"a": {1, 2}}, "chat_template_kwargs") or "")
+    assert "non-string key" in str(json_value_error({"a": {1: "x"}}, "chat_template_kwargs"))
+    assert "not a JSON value" in str(json_value_error({"a": {1, 2}}, "chat_template_kwargs"))
 
 
 json_values = st.recursive(
@@ -108,7 +111,7 @@ def test_accepted_free_form_json_always_encodes(kwargs: dict[str, Any]) -> None:
         body = json.dumps({**BASE, "chat_template_kwargs": kwargs}, allow_nan=True)
         req = ChatCompletionRequest.model_validate_json(body)
     except ValidationError as e:
-        assert error_from_validation(e.errors()).param == "chat_template_kwargs"
+        assert str(error_from_validation(e.errors()).param).startswith("chat_template_kwargs")
         return
     msg = TokenizeRequest(
         rid="r",

@@ -71,7 +71,7 @@ class Admission:
         if rid in self.reqs:
             raise InvalidRequestError(f"request id {rid!r} is already in use", param="rid")
         if not input_ids:
-            raise InvalidRequestError("the prompt is empty", param="prompt")
+            raise InvalidRequestError("prompt must not be empty", param="prompt")
         n, ctx, vocab = len(input_ids), self.limits.context_len, self.limits.vocab_size
         if n >= ctx:
             raise ContextLengthError(

@@ -453,7 +453,8 @@ class GatewayMetrics:
         # Same buckets as the scheduler's sglang:* histograms so the two can be compared bucket by bucket.
         self._ttft = Histogram(
             "kubesgl_gateway_time_to_first_token_seconds",
-            "Time from the HTTP request's arrival (before its body is read) to sending its first token.",
+            "Streamed requests: time from the HTTP request's arrival (before its body is read) to sending its "
+            "first token (a non-streamed answer sends every token at once: see the request duration).",
             ["model"],
             buckets=TTFT_BUCKETS,
             registry=registry,
@@ -512,6 +513,12 @@ class GatewayRequestMetrics:
             for _ in range(n):
                 self._itl.observe(per_token)
         self._last_token = now
+        self._tokens.inc(n)
+
+    def on_answer(self, n: int) -> None:
+        """A non-streamed answer carried `n` tokens: counted, but no time to first token (its first token
+        reaches the client with the last one, so that time would be the request's duration again)."""
+        self.tokens += n
         self._tokens.inc(n)
 
     def finish(self, status: int) -> None:
