@@ -415,6 +415,9 @@ def main(args: argparse.Namespace) -> int:
     demo_cap = args.model == DEMO and "--default-max-tokens" not in scheduler_args
     if demo_cap:
         scheduler_args = ["--default-max-tokens", str(DEMO_DEFAULT_MAX_TOKENS), *scheduler_args]
+    if args.model == DEMO and "--bound-json-values" not in scheduler_args:
+        # The demo's random weights never close a JSON string or number: bounded grammars show the feature.
+        scheduler_args = ["--bound-json-values", *scheduler_args]
     config = StackConfig(
         model_path=model_path,
         served_model_name=name,

@@ -82,6 +82,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="most tokens a request without max_tokens generates (default: until the context ends, as OpenAI)",
     )
     parser.add_argument(
+        "--bound-json-values",
+        action="store_true",
+        help="bound the open strings, numbers, arrays and objects of every JSON schema, JSON mode and tool "
+        "call grammar (for a model that never closes them: `kubesgl up` sets it for the demo model)",
+    )
+    parser.add_argument(
         "--detok-timeout",
         type=float,
         default=1.0,
@@ -173,6 +179,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         dummy_weight=args.dummy_weight,
         seed=args.seed,
         default_max_tokens=args.default_max_tokens,
+        bound_json_values=args.bound_json_values,
         kv_event_block_size=args.kv_event_block_size if args.cache == "radix" else 0,
         nnodes=args.nnodes,
         node_rank=args.node_rank,

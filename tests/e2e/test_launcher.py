@@ -6,6 +6,7 @@ orphan process left."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import queue
 import random
@@ -18,7 +19,9 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
+import openai
 import psutil
+import pydantic
 import pytest
 from kubesgl.launcher import (
     DEMO_DEFAULT_MAX_TOKENS,
@@ -125,6 +128,49 @@ def test_up_serves_the_demo_model_and_ctrl_c_leaves_no_process(demo_model_dir: s
             proc.wait()
 
 
+class Person(pydantic.BaseModel):
+    name: str
+    age: int
+    tags: list[str]
+
+
+def _structured_outputs_finish_on_the_demo(base_url: str) -> None:
+    """The SDK's parse() with an ordinary pydantic model, and an enforced tool call with open string and integer
+    parameters, both finish on the demo (its grammars bound open values: --bound-json-values)."""
+    client = openai.OpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=120)
+    parse = getattr(client.chat.completions, "parse", None) or client.beta.chat.completions.parse
+    for seed in (1, 2):
+        done = parse(
+            model="demo",
+            messages=[{"role": "user", "content": "Describe a person."}],
+            response_format=Person,
+            seed=seed,
+        )
+        assert isinstance(done.choices[0].message.parsed, Person)
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "lookup",
+            "parameters": {
+                "type": "object",
+                "properties": {"query": {"type": "string"}, "limit": {"type": "integer"}},
+                "required": ["query", "limit"],
+            },
+        },
+    }
+    called = client.chat.completions.create(
+        model="demo",
+        messages=[{"role": "user", "content": "Look it up."}],
+        tools=[tool],
+        tool_choice="required",
+        seed=1,
+    )
+    choice = called.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    args = json.loads(choice.message.tool_calls[0].function.arguments)
+    assert isinstance(args["query"], str) and isinstance(args["limit"], int)
+
+
 def test_up_caps_a_demo_request_without_max_tokens(demo_model_dir: str) -> None:
     """OpenAI's quickstart sends no max_tokens; the demo model never picks EOS, so `kubesgl up` serves it with a
     server-side default (printed at start-up) instead of running to the end of its 40k-token context."""
@@ -146,6 +192,7 @@ def test_up_caps_a_demo_request_without_max_tokens(demo_model_dir: str) -> None:
             body["usage"]["completion_tokens"] == DEMO_DEFAULT_MAX_TOKENS
             and body["choices"][0]["finish_reason"] == "length"
         )
+        _structured_outputs_finish_on_the_demo(f"http://127.0.0.1:{port}/v1")
         proc.send_signal(signal.SIGINT)
         assert proc.wait(90) == 0
     finally:

@@ -40,6 +40,7 @@ class EngineConfig:
     default_max_tokens: int | None = (
         None  # most tokens of a request without max_tokens (None: to the context end)
     )
+    bound_json_values: bool = False  # bound schemas' open values (structured.bounds): the demo model
 
     def validate(self) -> None:
         """Raises InvalidRequestError for a setting no engine can start with (the rank layout:

@@ -76,7 +76,9 @@ class Engine:
             else NaiveCache(config.page_size, self.pool)
         )
         self.grammars = (
-            EngineGrammars(config.model_path, r.model.vocab_size, r.model.eos_token_ids)
+            EngineGrammars(
+                config.model_path, r.model.vocab_size, r.model.eos_token_ids, config.bound_json_values
+            )
             if has_tokenizer(config.model_path)
             else None
         )

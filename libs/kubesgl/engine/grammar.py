@@ -27,8 +27,11 @@ def has_tokenizer(model_path: str) -> bool:
 class EngineGrammars:
     """Compiles each distinct constraint once (GrammarCompiler's cache) on its own worker threads."""
 
-    def __init__(self, model_path: str, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+    def __init__(
+        self, model_path: str, vocab_size: int, eos_token_ids: Sequence[int], bound_json_values: bool = False
+    ) -> None:
         self._model_path = model_path
+        self._bound = bound_json_values
         self._vocab_size = vocab_size
         self._eos = tuple(eos_token_ids)
         self._lock = threading.Lock()
@@ -49,7 +52,11 @@ class EngineGrammars:
 
                 tokenizer = AutoTokenizer.from_pretrained(self._model_path)
                 self._compiler = GrammarCompiler.for_tokenizer(
-                    tokenizer, self._vocab_size, self._eos, max_threads=_WORKERS
+                    tokenizer,
+                    self._vocab_size,
+                    self._eos,
+                    max_threads=_WORKERS,
+                    bound_json_values=self._bound,
                 )
             return self._compiler
 

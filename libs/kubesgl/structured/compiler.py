@@ -22,6 +22,7 @@ from typing import Any
 
 import xgrammar as xgr
 
+from kubesgl.structured.bounds import bound_source
 from kubesgl.structured.constraint import DEFAULT_MAX_WHITESPACE, Constraint, grammar_errors
 
 DEFAULT_CACHE_BYTES = 512 << 20
@@ -59,8 +60,12 @@ class GrammarCompiler:
         max_threads: int = 2,
         any_whitespace: bool = True,
         max_whitespace: int | None = DEFAULT_MAX_WHITESPACE,
+        bound_json_values: bool = False,
     ) -> None:
+        """`bound_json_values`: schemas' open strings, numbers, arrays and objects get bounds
+        (structured.bounds; the demo model, which never closes them)."""
         self.tokenizer_info = tokenizer_info
+        self._bound = bound_json_values
         # xgrammar's own cache is off: ours is the one bound on memory (and counts hits).
         self._xgr = xgr.GrammarCompiler(tokenizer_info, max_threads=max_threads, cache_enabled=False)
         self._json_args: dict[str, Any] = {
@@ -154,18 +159,18 @@ class GrammarCompiler:
     def _compile(self, c: Constraint) -> xgr.CompiledGrammar:
         with grammar_errors(c):
             if c.kind == "json_schema":
-                grammar = xgr.Grammar.from_json_schema(c.source, **self._json_args)
+                source = bound_source(c.source) if self._bound else c.source
+                grammar = xgr.Grammar.from_json_schema(source, **self._json_args)
             elif c.kind == "json_object":
                 # Any JSON object (OpenAI's JSON mode), with the same whitespace bound as schemas.
-                grammar = xgr.Grammar.from_json_schema(
-                    '{"type":"object"}', strict_mode=False, **self._json_args
-                )
+                source = bound_source('{"type":"object"}') if self._bound else '{"type":"object"}'
+                grammar = xgr.Grammar.from_json_schema(source, strict_mode=False, **self._json_args)
             elif c.kind == "regex":
                 return self._xgr.compile_regex(c.source)
             elif c.kind == "ebnf":
                 return self._xgr.compile_grammar(c.source)
-            else:
-                grammar = xgr.Grammar.from_structural_tag(c.source)
+            else:  # a structural tag: its schemas (tool arguments) are bounded alike
+                grammar = xgr.Grammar.from_structural_tag(bound_source(c.source) if self._bound else c.source)
             return self._xgr.compile_grammar(strict_json_strings(grammar))
 
 
