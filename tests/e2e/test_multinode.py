@@ -44,8 +44,13 @@ def expand(value: str, variables: dict[str, str]) -> str:
 def pod_process(container: dict[str, Any], lws_env: dict[str, str], nats_url: str) -> tuple[list[str], dict]:
     """The container as a local process: its args (the image's entrypoint is `kubesgl`) and environment.
     Values from Secrets and the downward API are what this machine lacks: NATS is the local server (no
-    auth), the pod's name is the process's."""
-    variables = {e["name"]: e["value"] for e in container.get("env", []) if "value" in e} | lws_env
+    auth: the NATS credential files, mounted from a Secret in a pod, are left out), the pod's name is the
+    process's."""
+    variables = {
+        e["name"]: e["value"]
+        for e in container.get("env", [])
+        if "value" in e and not (e["name"].startswith("KUBESGL_NATS_") and e["name"].endswith("_FILE"))
+    } | lws_env
     if "KUBESGL_NATS_URL" in variables:
         variables["KUBESGL_NATS_URL"] = nats_url
     args = [expand(a, variables) for a in container["args"]]
