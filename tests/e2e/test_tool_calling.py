@@ -176,7 +176,7 @@ def test_bad_tool_fields_are_400s_naming_the_field(fields: dict[str, Any], param
                     ],
                 }
             ],
-            "messages[0].tool_calls[0].function.arguments",  # infinite: the wire cannot carry it
+            "messages[0].tool_calls[0].function.arguments.a",  # infinite: the wire cannot carry it
         ),
         (
             [
@@ -190,7 +190,7 @@ def test_bad_tool_fields_are_400s_naming_the_field(fields: dict[str, Any], param
                     ],
                 }
             ],
-            "messages[0].tool_calls[0].function.arguments",
+            "messages[0].tool_calls[0].function.arguments.a",
         ),
     ],
 )
