@@ -413,11 +413,13 @@ def main(args: argparse.Namespace) -> int:
     model_path, name = resolve_model(args.model, args.served_model_name)
     scheduler_args = shlex.split(args.scheduler_args)
     demo_cap = args.model == DEMO and "--default-max-tokens" not in scheduler_args
-    if demo_cap:
-        scheduler_args = ["--default-max-tokens", str(DEMO_DEFAULT_MAX_TOKENS), *scheduler_args]
-    if args.model == DEMO and "--bound-json-values" not in scheduler_args:
-        # The demo's random weights never close a JSON string or number: bounded grammars show the feature.
-        scheduler_args = ["--bound-json-values", *scheduler_args]
+    if args.model == DEMO:
+        # The demo's random weights never pick EOS nor close a JSON string or number: a default cap, and bounded
+        # grammars so structured outputs finish (each unless the user's --scheduler-args set it).
+        defaults = {"--default-max-tokens": [str(DEMO_DEFAULT_MAX_TOKENS)], "--bound-json-values": []}
+        for flag, value in defaults.items():
+            if flag not in scheduler_args:
+                scheduler_args = [flag, *value, *scheduler_args]
     config = StackConfig(
         model_path=model_path,
         served_model_name=name,

@@ -40,12 +40,6 @@ def reorder_bound(dtype: torch.dtype, n: int) -> float:
     return LAMBDA * math.sqrt(max(n, 1)) * unit_roundoff(dtype)
 
 
-def rounding_bound(dtype: torch.dtype) -> float:
-    """Relative error of an elementwise result stored in `dtype` (one rounding of a value computed wider),
-    as a norm-wise ratio ||out - ref|| / ||ref||: at most u."""
-    return unit_roundoff(dtype)
-
-
 def forward_rounding_steps(config: dict, context: int) -> int:
     """The rounding steps along one token's path through a decoder-only transformer (HF config dict) with
     `context` tokens attended: the reduction lengths of every norm, projection, attention sum and residual on
@@ -59,16 +53,18 @@ def forward_rounding_steps(config: dict, context: int) -> int:
     head_dim = config.get("head_dim") or hidden // heads
     inter = config.get("moe_intermediate_size") or config["intermediate_size"]
     qk_norm = head_dim if config.get("model_type", "").startswith("qwen3") else 0
-    experts = config.get("num_experts_per_tok", 0) + (hidden if config.get("num_experts") else 0)
+    routing = config.get("num_experts_per_tok", 0) + (hidden if config.get("num_experts") else 0)  # gate, mix
     attention = (
         hidden + qk_norm + head_dim + 2 * context + heads * head_dim
     )  # norm, qkv, qk-norm, QK, softmax, PV, o
-    mlp = 2 * hidden + inter + experts  # norm, gate/up, down, (router + expert mix)
+    mlp = 2 * hidden + inter + routing  # norm, gate/up, down, (router + expert mix)
     return config["num_hidden_layers"] * (attention + mlp + 2) + 2 * hidden  # + final norm, LM head
 
 
 @cache
 def _checkpoint(model_dir: str) -> tuple[dict, float]:
+    """The checkpoint's config and an upper bound on any of its logits (Cauchy-Schwarz through the final RMSNorm
+    and the LM head): the size the logits' rounding errors are relative to."""
     from safetensors import safe_open
 
     config = json.loads((Path(model_dir) / "config.json").read_text())
@@ -87,12 +83,6 @@ def _checkpoint(model_dir: str) -> tuple[dict, float]:
         * head.norm(dim=1).max().item()
     )
     return config, scale
-
-
-def logit_scale(model_dir: str | Path) -> float:
-    """An upper bound on any logit of the checkpoint (Cauchy-Schwarz through the final RMSNorm and the LM head):
-    the size that the logits' rounding errors are relative to."""
-    return _checkpoint(str(model_dir))[1]
 
 
 def logits_tolerance(model_dir: str | Path, context: int, dtype: torch.dtype = torch.float32) -> float:

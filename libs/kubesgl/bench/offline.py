@@ -19,6 +19,7 @@ import random
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 
@@ -79,6 +80,20 @@ def make_workload(args: argparse.Namespace, seed: int = 0) -> tuple[list[list[in
     return prompts, max_tokens
 
 
+def _rate_per_second(op: Callable[[], object], work_per_op: float, reps: int = 20) -> float:
+    """`work_per_op` (bytes, FLOPs) over the seconds one `op` takes on the GPU, after 3 warm-up runs."""
+    import torch
+
+    for _ in range(3):
+        op()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(reps):
+        op()
+    torch.cuda.synchronize()
+    return work_per_op * reps / (time.perf_counter() - t)
+
+
 def copy_bandwidth(device: str) -> float:
     """Device-to-device copy bandwidth in bytes/s (read + write), measured now."""
     import torch
@@ -88,15 +103,19 @@ def copy_bandwidth(device: str) -> float:
     n = 1 << 30
     src = torch.empty(n, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    reps = 20
-    t = time.perf_counter()
-    for _ in range(reps):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    return 2 * n * reps / (time.perf_counter() - t)
+    return _rate_per_second(lambda: dst.copy_(src), 2 * n)
+
+
+def gemm_flops(device: str) -> float:
+    """bf16 GEMM rate in FLOP/s (an 8192-cube matmul), measured now: the rate prefill's projections can reach."""
+    import torch
+
+    if device != "cuda":
+        return float("nan")
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    return _rate_per_second(lambda: a @ b, 2 * n**3)
 
 
 def memory_bound_seconds(
@@ -121,26 +140,6 @@ def memory_bound_seconds(
             s[1] -= 1
         live = [s for s in live if s[1] > 0]
     return total
-
-
-def gemm_flops(device: str) -> float:
-    """bf16 GEMM rate in FLOP/s (an 8192-cube matmul), measured now: the rate prefill's projections can reach."""
-    import torch
-
-    if device != "cuda":
-        return float("nan")
-    n = 8192
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    torch.cuda.synchronize()
-    reps = 20
-    t = time.perf_counter()
-    for _ in range(reps):
-        a @ b
-    torch.cuda.synchronize()
-    return 2 * n**3 * reps / (time.perf_counter() - t)
 
 
 def prefill_flop_seconds(

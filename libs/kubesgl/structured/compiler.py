@@ -156,21 +156,25 @@ class GrammarCompiler:
             _, old = self._cache.popitem(last=False)
             self._bytes -= old.memory_bytes
 
+    def _schema_source(self, source: str) -> str:
+        """A schema (or a structural tag holding schemas) as compiled: bounded under bound_json_values."""
+        return bound_source(source) if self._bound else source
+
     def _compile(self, c: Constraint) -> xgr.CompiledGrammar:
         with grammar_errors(c):
             if c.kind == "json_schema":
-                source = bound_source(c.source) if self._bound else c.source
-                grammar = xgr.Grammar.from_json_schema(source, **self._json_args)
+                grammar = xgr.Grammar.from_json_schema(self._schema_source(c.source), **self._json_args)
             elif c.kind == "json_object":
                 # Any JSON object (OpenAI's JSON mode), with the same whitespace bound as schemas.
-                source = bound_source('{"type":"object"}') if self._bound else '{"type":"object"}'
-                grammar = xgr.Grammar.from_json_schema(source, strict_mode=False, **self._json_args)
+                grammar = xgr.Grammar.from_json_schema(
+                    self._schema_source('{"type":"object"}'), strict_mode=False, **self._json_args
+                )
             elif c.kind == "regex":
                 return self._xgr.compile_regex(c.source)
             elif c.kind == "ebnf":
                 return self._xgr.compile_grammar(c.source)
             else:  # a structural tag: its schemas (tool arguments) are bounded alike
-                grammar = xgr.Grammar.from_structural_tag(bound_source(c.source) if self._bound else c.source)
+                grammar = xgr.Grammar.from_structural_tag(self._schema_source(c.source))
             return self._xgr.compile_grammar(strict_json_strings(grammar))
 
 
