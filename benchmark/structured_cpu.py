@@ -19,12 +19,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from kubesgl.models.random_init import qwen3_tokenizer_dir  # noqa: E402
-from kubesgl.openai_api.tool_calls import QWEN25  # noqa: E402
-from kubesgl.openai_api.tool_constraint import tool_choice_constraint  # noqa: E402
 from kubesgl.structured.bitmask import allowed_tokens, apply_token_bitmask_  # noqa: E402
 from kubesgl.structured.compiler import GrammarCompiler  # noqa: E402
 from kubesgl.structured.constraint import Constraint  # noqa: E402
 from kubesgl.structured.matcher import GrammarState, TokenBitmask  # noqa: E402
+from kubesgl.tool_formats import (
+    QWEN25,  # noqa: E402
+    tool_choice_constraint,  # noqa: E402
+)
 from support.grammar_helpers import QWEN3_EOS, QWEN3_VOCAB  # noqa: E402
 
 SCHEMA = {

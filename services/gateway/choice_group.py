@@ -8,8 +8,8 @@ import contextlib
 from collections.abc import AsyncIterator
 
 from kubesgl.openai_api.responses import ChoiceResult
-from kubesgl.openai_api.tool_calls import FORMATS, ToolCallFormat
 from kubesgl.services.gateway.generation import ChoiceEvent, ChoiceGeneration
+from kubesgl.tool_formats import FORMATS, ToolCallFormat
 
 _DONE = object()
 

@@ -19,14 +19,14 @@ from kubesgl.openai_api.responses import (
     usage_chunk,
     usage_of,
 )
-from kubesgl.openai_api.tool_calls import (
+from kubesgl.services.gateway.generation import ChoiceEvent
+from kubesgl.tool_formats import (
     ParsedOutput,
     ToolCallFormat,
     ToolCallStream,
     parse_tool_calls,
     tool_finish_reason,
 )
-from kubesgl.services.gateway.generation import ChoiceEvent
 
 
 class Encoder(Protocol):

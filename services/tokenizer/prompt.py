@@ -6,10 +6,9 @@ from dataclasses import replace
 from typing import Any
 
 from kubesgl.errors import ContextLengthError, InvalidRequestError
-from kubesgl.openai_api.tool_calls import ToolCallFormat, detect_tool_format
-from kubesgl.openai_api.tool_constraint import tool_choice_constraint
 from kubesgl.protocol import ChatMessage, PromptKind, TokenizeRequest
 from kubesgl.text.tokenizer import ModelTokenizer
+from kubesgl.tool_formats import ToolCallFormat, detect_tool_format, tool_choice_constraint
 from kubesgl.values.sampling import SamplingParams
 
 

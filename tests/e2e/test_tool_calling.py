@@ -29,12 +29,12 @@ from kubesgl.openai_api.generation_spec import chat_spec
 from kubesgl.openai_api.prompt_inputs import chat_messages
 from kubesgl.openai_api.request_models import ChatCompletionRequest
 from kubesgl.openai_api.responses import ChoiceResult
-from kubesgl.openai_api.tool_calls import LLAMA3, MISTRAL, QWEN25, ToolCallFormat
 from kubesgl.protocol import ChatToolCall, PromptKind, TokenizeRequest
 from kubesgl.services.gateway.encoders import ChatEncoder
 from kubesgl.services.gateway.generation import ChoiceEvent
 from kubesgl.services.tokenizer.prompt import model_tool_format, prompt_ids, tool_format_for, tool_sampling
 from kubesgl.text.tokenizer import ModelTokenizer
+from kubesgl.tool_formats import LLAMA3, MISTRAL, QWEN25, ToolCallFormat
 from kubesgl.values.constraint import Constraint
 from kubesgl.values.outputs import FinishReason
 from kubesgl.values.sampling import SamplingParams

@@ -16,8 +16,8 @@ from kubesgl.openai_api.request_models import (
     ResponseFormat,
     SamplingFields,
 )
-from kubesgl.openai_api.tool_constraint import function_tools
 from kubesgl.structured.constraint import check_constraint
+from kubesgl.tool_formats import function_tools
 from kubesgl.values.constraint import Constraint
 from kubesgl.values.sampling import MAX_TOP_LOGPROBS, LogprobOptions, SamplingParams
 

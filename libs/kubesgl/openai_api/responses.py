@@ -11,7 +11,7 @@ from typing import Any
 import msgspec
 
 from kubesgl.openai_api.logprobs import chat_logprobs, completion_logprobs, native_logprobs
-from kubesgl.openai_api.tool_calls import ParsedOutput
+from kubesgl.tool_formats import ParsedOutput
 from kubesgl.values.outputs import FinishReason, TokenLogprob
 
 

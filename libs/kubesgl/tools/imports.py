@@ -37,7 +37,12 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("kubesgl.layers",),
     ("kubesgl.models",),
     ("kubesgl.engine",),
-    ("kubesgl.routing", "kubesgl.cache_routing", "kubesgl.openai_api"),  # pure logic over the wire's values
+    (
+        "kubesgl.routing",
+        "kubesgl.cache_routing",
+        "kubesgl.openai_api",
+        "kubesgl.tool_formats",
+    ),  # pure logic over the wire's values
     ("kubesgl.service",),  # service glue: NATS, admin HTTP, metrics, tracing, local processes
     (  # processes: the services, the launcher and the command line
         "kubesgl.services",

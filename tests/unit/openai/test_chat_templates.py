@@ -12,8 +12,8 @@ import pytest
 from kubesgl.errors import InvalidRequestError
 from kubesgl.models.random_init import TOKENIZER_FILES, build_random_model
 from kubesgl.openai_api.chat_history import template_messages, template_tools
-from kubesgl.openai_api.tool_calls import LLAMA3, MISTRAL, QWEN25, detect_tool_format, parse_tool_calls
 from kubesgl.text.tokenizer import ModelTokenizer
+from kubesgl.tool_formats import LLAMA3, MISTRAL, QWEN25, detect_tool_format, parse_tool_calls
 from support.model_helpers import with_chat_template
 
 TOOLS = [

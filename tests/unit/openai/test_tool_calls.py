@@ -1,4 +1,4 @@
-"""Tool-call parsing (kubesgl.openai_api.tool_calls) for the Qwen, Llama-3 and Mistral formats, whole and
+"""Tool-call parsing (kubesgl.tool_formats) for the Qwen, Llama-3 and Mistral formats, whole and
 streamed: every split of the text streams to exactly the whole parse, and no partial markup leaks."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from collections.abc import Callable
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kubesgl.openai_api.tool_calls import (
+from kubesgl.tool_formats import (
     LLAMA3,
     MISTRAL,
     QWEN25,

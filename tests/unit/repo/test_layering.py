@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import kubesgl.tool_formats as tool_formats
 import pytest
 from kubesgl.tools.imports import check, import_graph, kubesgl_roots
 
@@ -117,3 +118,35 @@ def test_a_module_outside_every_floor_is_found(tmp_path: Path, name: str) -> Non
     problems = _plant(tmp_path, {name.removeprefix("pkg/"): ""})
     module = name.removeprefix("pkg/").removesuffix(".py").removesuffix("/__init__").replace("/", ".")
     assert problems == [f"pkg.{module}: no entry of LAYERS covers this module"]
+
+
+# Tool-call formats: one package, a module per family, each owning its markup, detection and grammar.
+TOOL_FAMILIES = ("qwen25", "llama3", "mistral")
+
+
+def test_tool_call_formats_are_one_package_that_the_gateway_and_the_tokenizer_share() -> None:
+    graph = import_graph(kubesgl_roots())
+    for family in TOOL_FAMILIES:
+        module = getattr(tool_formats, family)
+        assert module.FORMAT.detect is module.detect and module.FORMAT.grammar is module.grammar, family
+        assert tool_formats.FORMATS[module.FORMAT.name] is module.FORMAT
+    assert set(tool_formats.FORMATS) == {getattr(tool_formats, f).FORMAT.name for f in TOOL_FAMILIES}
+
+    def importers(prefix: str) -> set[str]:
+        return {
+            m
+            for m in graph.files
+            if m.startswith(prefix)
+            for imp in graph.imports[m]
+            if imp.target == "kubesgl.tool_formats" or imp.target.startswith("kubesgl.tool_formats.")
+        }
+
+    assert importers("kubesgl.services.gateway.") and importers("kubesgl.services.tokenizer.")
+    outward = [
+        f"{m} imports {imp.target}"
+        for m in graph.files
+        if m.startswith("kubesgl.tool_formats")
+        for imp in graph.imports[m]
+        if imp.target.startswith(("kubesgl.openai_api", "kubesgl.services", "kubesgl.service"))
+    ]
+    assert outward == []

@@ -1,5 +1,5 @@
 """tool_choice "required" and named functions, enforced by grammar: random-logit generations constrained by
-`tool_choice_constraint` parse back (tool_calls.parse_tool_calls) into calls of the allowed tools whose
+`tool_choice_constraint` parse back (tool_formats.parse_tool_calls) into calls of the allowed tools whose
 arguments validate against the tools' schemas, in each family's format."""
 
 from __future__ import annotations
@@ -9,8 +9,14 @@ import json
 import jsonschema
 import pytest
 from kubesgl.errors import InvalidRequestError
-from kubesgl.openai_api.tool_calls import LLAMA3, MISTRAL, QWEN25, parse_tool_calls
-from kubesgl.openai_api.tool_constraint import function_tools, tool_choice_constraint
+from kubesgl.tool_formats import (
+    LLAMA3,
+    MISTRAL,
+    QWEN25,
+    function_tools,
+    parse_tool_calls,
+    tool_choice_constraint,
+)
 from support.grammar_helpers import Row, generate, terminating_random_logits, text_of
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -1,11 +1,5 @@
-"""Turns model output into OpenAI `tool_calls`, whole or as a stream of chat-chunk deltas.
-
-Three families of output format (SGLang's parser names):
-- "qwen25" (Qwen2.5, Qwen3, Hermes): `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, one
-  call per block, several blocks in a row;
-- "llama3" (Llama 3.1/3.2 JSON tool calling): `{"name": ..., "parameters": {...}}` at the start of the output
-  or after `<|python_tag|>`, several separated by `;`;
-- "mistral": `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` (the list may also start the output).
+"""Turns model output into OpenAI `tool_calls`, whole or as a stream of chat-chunk deltas, in any family's
+format (`ToolCallFormat`: its markup is all the machine needs to know of a family).
 
 One character-level state machine does both jobs: `parse_tool_calls` feeds it the whole text, the stream
 feeds it deltas, and what it emits depends only on the text seen so far, so a stream reassembles to exactly
@@ -18,94 +12,21 @@ the non-streamed parse however the text is split. Its rules:
 - a block whose header does not parse (not JSON, no name, no closing marker before the output ends) is
   content, markup and all: never an error.
 
-Special tokens: `<|python_tag|>` (Llama) and `[TOOL_CALLS]` (Mistral) are special tokens that a decode
-with skip_special_tokens drops; the bare forms (output starting with `{` / `[`) still parse, but text before
-the call is then kept only when the marker is in the text.
+Special tokens (`<|python_tag|>`, `[TOOL_CALLS]`) are dropped by a decode with skip_special_tokens; the bare
+forms (output starting with `{` / `[`) still parse, but text before the call is then kept only when the
+marker is in the text.
 """
 
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kubesgl.tool_formats.format import ParsedOutput, ToolCall, ToolCallFormat, new_call_id
+
 _WS = " \t\r\n"
-
-
-@dataclass(frozen=True)
-class ToolCallFormat:
-    """How one model family writes calls. `start` opens a block; `end` closes it ("" = the block ends where
-    its calls stop); `separator` divides calls inside one block; `bare_open` is the character that may open
-    a block without its marker at the very start of the output."""
-
-    name: str
-    start: str
-    end: str
-    args_keys: tuple[str, ...]
-    list_open: str = ""
-    list_close: str = ""
-    separator: str = ""
-    bare_open: str = ""
-
-
-QWEN25 = ToolCallFormat("qwen25", "<tool_call>", "</tool_call>", ("arguments",))
-LLAMA3 = ToolCallFormat(
-    "llama3", "<|python_tag|>", "", ("parameters", "arguments"), separator=";", bare_open="{"
-)
-MISTRAL = ToolCallFormat(
-    "mistral", "[TOOL_CALLS]", "", ("arguments",), list_open="[", list_close="]", separator=",", bare_open="["
-)
-FORMATS = {f.name: f for f in (QWEN25, LLAMA3, MISTRAL)}
-
-
-def detect_tool_format(
-    chat_template: str | None, special_tokens: frozenset[str] = frozenset()
-) -> ToolCallFormat | None:
-    """The format a model's chat template teaches it: the markup the template writes for tool calls (or the
-    tokenizer's special tokens) names the family. None: the template knows no tools."""
-    template = chat_template or ""
-    if "[TOOL_CALLS]" in template or "[TOOL_CALLS]" in special_tokens:
-        return MISTRAL
-    if "<tool_call>" in template:
-        return QWEN25
-    if "<|python_tag|>" in template or ("ipython" in template and '"parameters"' in template):
-        return LLAMA3
-    return None
-
-
-def new_call_id() -> str:
-    """OpenAI's shape: `call_` and 24 hex digits."""
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    id: str
-    name: str
-    arguments: str  # the arguments JSON as text
-
-    def to_openai(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "type": "function",
-            "function": {"name": self.name, "arguments": self.arguments},
-        }
-
-
-@dataclass(frozen=True)
-class ParsedOutput:
-    content: str | None  # None when the output was only calls (OpenAI sends null then)
-    tool_calls: tuple[ToolCall, ...] = ()
-
-    def finish_reason(self, engine_reason: str) -> str:
-        return tool_finish_reason(bool(self.tool_calls), engine_reason)
-
-
-def tool_finish_reason(made_calls: bool, engine_reason: str) -> str:
-    """ "tool_calls" when calls were made and the output ended by itself; "length" stays "length"."""
-    return "tool_calls" if made_calls and engine_reason == "stop" else engine_reason
 
 
 def parse_tool_calls(

@@ -4,28 +4,21 @@ call format, each call's arguments constrained by that tool's `parameters` schem
 grammar ("none" only leaves the tools out of the prompt), so they give None.
 
 The grammar covers the calls only: with "required" the output is the calls and nothing else (OpenAI's
-required mode returns no content either), which `tool_calls.parse_tool_calls` turns back into tool_calls.
+required mode returns no content either), which `stream.parse_tool_calls` turns back into tool_calls.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
 from typing import Any
 
 from kubesgl.errors import InvalidRequestError
-from kubesgl.openai_api.tool_calls import LLAMA3, MISTRAL, QWEN25, ToolCallFormat
-from kubesgl.structured.constraint import DEFAULT_MAX_WHITESPACE, Constraint
+from kubesgl.structured.constraint import Constraint
+from kubesgl.tool_formats.format import FunctionTool, ToolCallFormat
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 _EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
-
-
-@dataclass(frozen=True)
-class FunctionTool:
-    name: str
-    parameters: dict[str, Any]
 
 
 def function_tools(tools: list[dict[str, Any]]) -> list[FunctionTool]:
@@ -92,52 +85,5 @@ def tool_choice_constraint(
             "tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}",
             param="tool_choice",
         )
-    tag = {"type": "structural_tag", "format": _calls_format(fmt, chosen, at_most_one)}
+    tag = {"type": "structural_tag", "format": fmt.grammar(chosen, at_most_one)}
     return Constraint("structural_tag", json.dumps(tag, separators=(",", ":")), param="tool_choice")
-
-
-def _calls_format(fmt: ToolCallFormat, tools: list[FunctionTool], at_most_one: bool) -> dict[str, Any]:
-    if fmt is QWEN25:
-        return _calls(
-            tools, '<tool_call>\n{"name": "', '", "arguments": ', "}\n</tool_call>", "\n", at_most_one
-        )
-    if fmt is LLAMA3:
-        return _calls(tools, '{"name": "', '", "parameters": ', "}", "; ", at_most_one)
-    if fmt is MISTRAL:
-        calls = _calls(tools, '{"name": "', '", "arguments": ', "}", ", ", at_most_one)
-        return {
-            "type": "sequence",
-            "elements": [
-                {"type": "const_string", "value": "[TOOL_CALLS]["},
-                calls,
-                {"type": "const_string", "value": "]"},
-            ],
-        }
-    raise ValueError(f"no grammar for tool-call format {fmt.name!r}")
-
-
-def _calls(
-    tools: list[FunctionTool], begin: str, middle: str, end: str, separator: str, at_most_one: bool
-) -> dict[str, Any]:
-    tags = [
-        {
-            "type": "tag",
-            "begin": f"{begin}{t.name}{middle}",
-            "content": {
-                "type": "json_schema",
-                "json_schema": t.parameters,
-                "max_whitespace_cnt": DEFAULT_MAX_WHITESPACE,
-            },
-            "end": end,
-        }
-        for t in tools
-    ]
-    if at_most_one and len(tags) == 1:
-        return tags[0]
-    return {
-        "type": "tags_with_separator",
-        "tags": tags,
-        "separator": separator,
-        "at_least_one": True,
-        "stop_after_first": at_most_one,
-    }
