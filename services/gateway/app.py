@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import socket
 from collections.abc import AsyncIterator
 from types import FrameType
 
@@ -15,7 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from kubesgl import __version__
-from kubesgl.errors import InvalidRequestError, KubesglError
+from kubesgl.errors import InvalidRequestError, KubesglError, ServiceUnavailableError
 from kubesgl.openai_api.http_errors import error_body, error_from_validation
 from kubesgl.routing import SchedulerRegistry
 from kubesgl.service.nats_conn import NatsSettings, connect
@@ -48,6 +49,7 @@ def main(args: argparse.Namespace) -> int:
     )
     app = build_app(config)
     server = _Server(
+        app,
         uvicorn.Config(
             app,
             http=TimedHttpProtocol,  # a connection's first request is timed from its bytes' arrival
@@ -57,13 +59,34 @@ def main(args: argparse.Namespace) -> int:
             access_log=False,  # paths only, but per-request lines drown the service's own logs under load
             timeout_graceful_shutdown=int(config.drain_timeout_s),
             timeout_keep_alive=30,
-        )
+        ),
     )
     server.run([config.sock] if config.sock is not None else None)
     return 0
 
 
 class _Server(uvicorn.Server):
+    def __init__(self, app: FastAPI, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self._app = app
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's drain waits `timeout_graceful_shutdown` for open responses, then cancels them, which cuts a
+        stream off mid-body (the client sees an incomplete chunked read). A second before that, every request
+        still open ends with a clear 503 instead: an error event on a stream, an error body otherwise."""
+        grace = float(self.config.timeout_graceful_shutdown or 0)
+        timer = asyncio.get_running_loop().call_later(max(grace - 1.0, grace / 2), self._fail_open)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
+
+    def _fail_open(self) -> None:
+        gateway: Gateway | None = getattr(self._app.state, "gateway", None)
+        if gateway is not None:
+            err = ServiceUnavailableError("the gateway shut down before the request finished; retry")
+            log.warning("drain timeout: ending %d open request(s)", gateway.bus.fail_open(err))
+
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         super().handle_exit(sig, frame)
         # uvicorn re-raises the signal after draining; drained is a clean exit (0), as for the other services.

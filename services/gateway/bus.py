@@ -12,7 +12,7 @@ from collections.abc import Coroutine
 from typing import Any
 
 import nats.errors
-from kubesgl.errors import DeadlineExceededError, PayloadTooLargeError, ServiceUnavailableError
+from kubesgl.errors import DeadlineExceededError, KubesglError, PayloadTooLargeError, ServiceUnavailableError
 from kubesgl.protocol import (
     ABORT,
     HEARTBEAT,
@@ -107,6 +107,14 @@ class GatewayBus:
         self._streams.pop(stream.rid, None)
         if abort:
             self.abort(stream.rid, None)
+
+    def fail_open(self, err: KubesglError) -> int:
+        """Ends every open request with `err` (their schedulers are told to abort as each response closes);
+        returns how many there were."""
+        streams = list(self._streams.values())
+        for stream in streams:
+            stream.fail(err)
+        return len(streams)
 
     def abort(self, rid: str, instance_id: str | None) -> None:
         self._spawn(self._publish(ABORT, Abort(rid=rid, instance_id=instance_id).to_bytes(), rid))

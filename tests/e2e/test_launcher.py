@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pty
 import queue
 import random
 import signal
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
@@ -201,6 +203,16 @@ def test_up_caps_a_demo_request_without_max_tokens(demo_model_dir: str) -> None:
             proc.wait()
 
 
+def _kill_if_running(proc: subprocess.Popen[Any], children: list[psutil.Process]) -> None:
+    """A failed test's clean-up: `make` (or `kubesgl up`) and every process it had started."""
+    if proc.poll() is None:
+        for c in children:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                c.kill()
+        proc.kill()
+        proc.wait()
+
+
 def test_sigint_to_make_up_stops_the_stack(demo_model_dir: str) -> None:
     """`kill -INT <make>`: GNU make hands a SIGINT on to nobody and waits for its recipe, which used to serve
     on (45 s and more); `kubesgl up` notices make's signal and stops as on Ctrl-C, and make exits with it."""
@@ -225,10 +237,122 @@ def test_sigint_to_make_up_stops_the_stack(demo_model_dir: str) -> None:
         _, alive = psutil.wait_procs(children, timeout=10)
         assert alive == [], f"orphans: {[p.cmdline() for p in alive]}"
     finally:
+        _kill_if_running(proc, children)
+
+
+def _pty_lines(fd: int) -> queue.Queue[str]:
+    """The lines a terminal would show, read from a pty's master side."""
+    lines: queue.Queue[str] = queue.Queue()
+
+    def pump() -> None:
+        with os.fdopen(fd, "rb", buffering=0) as master:
+            pending = b""
+            while True:
+                try:
+                    data = master.read(4096)
+                except OSError:  # EIO: every process holding the terminal has exited
+                    return
+                if not data:
+                    return
+                *whole, pending = (pending + data).split(b"\n")
+                for line in whole:
+                    lines.put(line.decode(errors="replace") + "\n")
+
+    threading.Thread(target=pump, daemon=True).start()
+    return lines
+
+
+def test_ctrl_c_in_a_terminal_lets_a_stream_in_flight_finish_then_stops_gateway_first(
+    demo_model_dir: str,
+) -> None:
+    """Ctrl-C as a terminal sends it: SIGINT to the whole foreground process group of `make up` (make and the
+    `kubesgl up` its recipe execs; the services run in sessions of their own, so they hear only the launcher's
+    SIGTERM, in stop order). A stream in flight at that moment gets every token and its finish_reason; no
+    other service is stopped until the gateway has sent it; make exits with the SIGINT (130 in a shell)."""
+    repo = Path(__file__).resolve().parents[2]
+    args = f"--port {free_port()} --base-port 0 --device cpu --scheduler-args '--num-pages 4096'"
+    env = {**os.environ, "KUBESGL_CACHE": str(Path(demo_model_dir).parent), "PYTHONUNBUFFERED": "1"}
+    env.pop("MAKELEVEL", None)
+    env.pop("MAKEFLAGS", None)
+    master, slave = pty.openpty()
+    cmd = ["make", "-C", str(repo), "-o", ".venv/.installed", "up", f"ARGS={args}"]
+    # A session of its own, on a terminal: its process group is what Ctrl-C signals.
+    proc = subprocess.Popen(cmd, stdin=slave, stdout=slave, stderr=slave, env=env, start_new_session=True)
+    os.close(slave)
+    children: list[psutil.Process] = []
+    try:
+        lines = _pty_lines(master)
+        banner = _wait_for(lines, "serving `demo` at", 240)
+        base = banner.split(" at ", 1)[1].split()[0].removesuffix("/v1")
+        children = psutil.Process(proc.pid).children(recursive=True)
+        body = {"model": "demo", "prompt": "Hello", "max_tokens": 64, "temperature": 0, "stream": True}
+        body["stream_options"] = {"include_usage": True}
+        texts, finish, usage = [], None, None
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=120) as reply:
+            assert reply.status_code == 200
+            for line in reply.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line.removeprefix("data: "))
+                assert "error" not in chunk, f"the stream failed during the stop: {chunk}"
+                usage = chunk.get("usage") or usage
+                for choice in chunk["choices"]:
+                    texts += [choice["text"]] if choice.get("text") else []
+                    finish = choice.get("finish_reason") or finish
+                    if len(texts) == 1 and choice.get("text"):
+                        os.killpg(proc.pid, signal.SIGINT)  # mid-stream: most of its tokens still to come
+        assert finish == "length" and usage is not None and usage["completion_tokens"] == 64, (finish, usage)
+        assert proc.wait(120) == -signal.SIGINT  # make dies of the signal once its recipe is done
+        shown = []
+        with contextlib.suppress(queue.Empty):
+            while True:
+                shown.append(lines.get(timeout=5))
+        text = "".join(shown)
+        assert "kubesgl: stopped" in text, text
+        shown_lines = text.splitlines()
+        served = next(i for i, line in enumerate(shown_lines) if "POST /v1/completions 200" in line)
+        for service in ("tokenizer-0", "scheduler-0", "detokenizer-0"):
+            stopped = next(
+                i
+                for i, line in enumerate(shown_lines)
+                if line.startswith(f"{service} | ") and "SIGTERM received" in line
+            )
+            assert served < stopped, f"{service} was stopped before the gateway sent the stream:\n{text}"
+        _, alive = psutil.wait_procs(children, timeout=10)
+        assert alive == [], f"orphans: {[p.cmdline() for p in alive]}"
+    finally:
+        _kill_if_running(proc, children)
+
+
+def test_a_stream_still_open_when_the_gateway_drain_runs_out_ends_with_a_clear_503(
+    demo_model_dir: str,
+) -> None:
+    """At the end of the gateway's --drain-timeout uvicorn cancels what is still open, which cut a stream off
+    mid-body (the client read an incomplete chunked body, no error, no [DONE]); it now ends with a 503 error
+    event and [DONE] before that."""
+    port = free_port()
+    proc = _up(demo_model_dir, port, "--gateway-args", "--drain-timeout 2")
+    try:
+        _wait_for(_lines(proc), "serving `demo` at", 240)
+        body = {"model": "demo", "prompt": "Hello", "max_tokens": 4000, "temperature": 0, "stream": True}
+        events = []
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        with httpx.stream("POST", url, json=body, timeout=120) as reply:
+            assert reply.status_code == 200
+            for line in reply.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line.removeprefix("data: "))
+                    if len(events) == 1:
+                        proc.send_signal(signal.SIGINT)
+        assert events[-1] == "[DONE]", events[-3:]
+        error = json.loads(events[-2])["error"]
+        assert (
+            error["type"] == "service_unavailable"
+            and "the gateway shut down before the request finished" in error["message"]
+        )
+        assert proc.wait(90) == 0
+    finally:
         if proc.poll() is None:
-            for c in children:
-                with contextlib.suppress(psutil.NoSuchProcess):
-                    c.kill()
             proc.kill()
             proc.wait()
 
