@@ -31,8 +31,10 @@ def _rms_norm_kernel(
     pdl_launch_dependents(USE_PDL)
     x = tl.load(x_ptr + row * n_cols + offs, mask=mask, other=0.0)
     if HAS_RESIDUAL:
-        # Summed in the activation dtype, as the unfused `x + residual` would be.
-        x = x + tl.load(res_ptr + row * n_cols + offs, mask=mask, other=0.0)
+        # Summed in the activation dtype, as the unfused `x + residual` would be (a float32 x, the fused
+        # MLP's sum, is rounded to it first, where the down GEMM would have rounded).
+        res = tl.load(res_ptr + row * n_cols + offs, mask=mask, other=0.0)
+        x = x.to(res.dtype) + res
         tl.store(sum_ptr + row * n_cols + offs, x, mask=mask)
     x32 = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x32 * x32, 0) / n_cols + eps)
@@ -43,8 +45,9 @@ def _rms_norm_kernel(
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> tuple:
     n_cols = x.shape[-1]
     x2 = x.reshape(-1, n_cols).contiguous()
-    out = torch.empty(x2.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
-    summed = torch.empty_like(x2) if residual is not None else x2
+    act_dtype = residual.dtype if residual is not None else x.dtype
+    out = torch.empty(x2.shape, dtype=torch.promote_types(act_dtype, weight.dtype), device=x.device)
+    summed = torch.empty(x2.shape, dtype=act_dtype, device=x.device) if residual is not None else x2
     res2 = residual.reshape(-1, n_cols).contiguous() if residual is not None else x2
     block = triton.next_power_of_2(n_cols)
     _rms_norm_kernel[(x2.shape[0],)](

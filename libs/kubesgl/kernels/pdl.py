@@ -30,6 +30,8 @@ def pdl_enabled(x: torch.Tensor) -> bool:
     """Whether a Triton kernel reading `x` launches with programmatic dependent launch."""
     if not x.is_cuda or env.disable_pdl() or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         return False
+    if torch.compiler.is_compiling():  # a graph torch.compile traces launches our kernels plainly
+        return False
     return _device_supports_pdl(x.device.index if x.device.index is not None else torch.cuda.current_device())
 
 
