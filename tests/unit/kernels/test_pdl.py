@@ -2,11 +2,13 @@
 
 A PDL kernel may start before the kernel ahead of it has finished; one that read an activation before its
 `gdc_wait` would read stale values. The GPU test runs decoder-layer-shaped chains of our Triton kernels
-between cuBLAS GEMMs inside a CUDA graph, with PDL on, and asks for the bits of the same chain run eagerly
-with PDL off.
+between cuBLAS GEMMs captured in a CUDA graph with PDL on, and asks for the bits of the same chain captured
+with plain launches.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -49,7 +51,7 @@ HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, CONTEXT, SPLITS = 1024, 16, 8, 128, 30
 
 def _layer_chain(
     batch: int, layers: int, seed: int, device: str = "cuda", dtype: torch.dtype = torch.bfloat16
-) -> tuple[dict[str, torch.Tensor], object]:
+) -> tuple[dict[str, torch.Tensor], Callable[[], torch.Tensor]]:
     """Static inputs and a function running `layers` decoder layers as the engine's decode does (norm, qkv
     GEMM, qkv_prep into the cache, split decode attention + merge, o GEMM, norm, gate_up, SiLU-mul, down)."""
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -122,31 +124,37 @@ def _layer_chain(
     return static, run
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not HOPPER, reason="PDL needs sm90+")
-@pytest.mark.parametrize("batch", [1, 64])
-def test_gpu_pdl_graph_replay_equals_plain_launches(monkeypatch: pytest.MonkeyPatch, batch: int) -> None:
-    layers = 4
-    static, run = _layer_chain(batch, layers, seed=batch)
-    first = {k: v.clone() for k, v in static.items()}
-    monkeypatch.setenv("KUBESGL_DISABLE_PDL", "1")
-    want = run().clone()
-    want_k = static["k_cache"].clone()
-
-    monkeypatch.delenv("KUBESGL_DISABLE_PDL")
-    assert pdl_enabled(static["hidden"])
+def _capture(run: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        run()  # compiles the PDL variants outside the capture
+        run()  # compiles this launch mode's kernel variants outside the capture
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = run()
-    for _ in range(3):  # each replay starts from the same inputs (the caches get the same new K/V again)
-        for k, v in first.items():
-            static[k].copy_(v)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, want)
-        assert torch.equal(static["k_cache"], want_k)
+    return graph, out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="PDL needs sm90+")
+@pytest.mark.parametrize("batch", [1, 64])
+def test_gpu_pdl_graph_replay_equals_plain_launches(monkeypatch: pytest.MonkeyPatch, batch: int) -> None:
+    """The same chain captured twice, our kernels launched plainly and with PDL (cuBLAS alike in both): every
+    replay from the same inputs gives the same bits, outputs and KV cache."""
+    static, run = _layer_chain(batch, layers=4, seed=batch)
+    first = {k: v.clone() for k, v in static.items()}
+    results = {}
+    for mode in ("plain", "pdl"):
+        monkeypatch.setenv("KUBESGL_DISABLE_PDL", "1" if mode == "plain" else "0")
+        assert pdl_enabled(static["hidden"]) is (mode == "pdl")
+        graph, out = _capture(run)
+        for _ in range(3):  # each replay starts from the same inputs (the caches get the same new K/V again)
+            for k, v in first.items():
+                static[k].copy_(v)
+            graph.replay()
+            torch.cuda.synchronize()
+            results.setdefault(mode, (out.clone(), static["k_cache"].clone()))
+            assert torch.equal(out, results[mode][0]) and torch.equal(static["k_cache"], results[mode][1])
+    assert torch.equal(results["pdl"][0], results["plain"][0])
+    assert torch.equal(results["pdl"][1], results["plain"][1])
