@@ -148,6 +148,30 @@ case "$mode" in
     [ -d "$HOME/.triton/cache" ] && tar czf "$OUT/cache-triton.tgz" -C "$HOME" .triton/cache
     ls -la "$OUT"/cache-*.tgz
     ;;
+  levers25)  # issue 25's kernel levers: PDL (kernels/pdl.py, on by default; off: KUBESGL_DISABLE_PDL=1) and the
+             # fused decode MLP (kernels/fused_mlp.py, off by default; on: KUBESGL_FUSED_MLP=1). Their GPU tests
+             # and the engine's GPU parity with the fused MLP on, the microbenchmarks, decode-step traces at bs
+             # 1/16/256 for off / PDL / PDL + fused MLP, the offline benchmark all off vs all on; table last (~5 min)
+    timeout 60 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/kernels/test_pdl.py \
+      tests/unit/kernels/test_fused_mlp.py tests/unit/kernels/test_kernels.py 2>&1 | tail -3 | tee "$OUT/gpu_tests_levers25.txt"
+    KUBESGL_FUSED_MLP=1 timeout 60 python3 -m pytest -q -p no:cacheprovider tests/unit/engine/test_gpu_parity.py \
+      2>&1 | tail -3 | tee -a "$OUT/gpu_tests_levers25.txt"
+    for part in pdl mlp; do
+      timeout 30 python3 benchmark/kernel_bench.py --part $part --json "$OUT/kb_levers.jsonl" 2>&1 | grep -v Warn | tail -1
+    done
+    for lv in "off KUBESGL_DISABLE_PDL=1" "pdl KUBESGL_DISABLE_PDL=0" "pdl_mlp KUBESGL_FUSED_MLP=1"; do
+      read -r name switch <<< "$lv"
+      env $switch timeout 60 python3 benchmark/kernel_trace.py --model Qwen3-0.6B --batch-sizes 1,16,256 \
+        --context 800 --top 12 --json "$OUT/trace_$name.jsonl" 2>&1 | grep -v Warn > "$OUT/trace_$name.txt"
+    done
+    for lv in "off KUBESGL_DISABLE_PDL=1" "all KUBESGL_FUSED_MLP=1"; do
+      read -r name switch <<< "$lv"
+      env $switch timeout 70 python3 -m kubesgl.cli bench offline --model Qwen3-0.6B --json "$OUT/bench_$name.jsonl" \
+        | tail -1
+    done
+    python3 benchmark/kernel_bench.py --summary "$OUT/kb_levers.jsonl" | tee "$OUT/kb_levers.txt"
+    python3 benchmark/kernel_levers.py "$OUT" | tee "$OUT/levers25.txt"
+    ;;
   b)
     $B --model Qwen3-14B
     $B --model Qwen3-0.6B --attn triton

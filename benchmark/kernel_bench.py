@@ -1,7 +1,7 @@
 """Kernel microbenchmarks for the decode levers on Qwen3-0.6B shapes: what a step's small projections cost, and
 the planned Triton decode attention vs the split one and FlashInfer. Prints one summary table last.
 
-    python benchmark/kernel_bench.py --part copy|latency|attn --json $OUT/kb.jsonl   # one part per process
+    python benchmark/kernel_bench.py --part copy|latency|attn|pdl|mlp --json $OUT/kb.jsonl   # one part a process
     python benchmark/kernel_bench.py --summary $OUT/kb.jsonl                       # the table, from the rows
 
 copy: device-to-device copy bandwidth (read + write), the ceiling the other rows are read against.
@@ -9,6 +9,12 @@ latency: what a decode step's small kernels cost beyond their bytes. A chain of 
   graph (the per-kernel boundary: drain, launch, ramp); each projection at M 1-256 with its weight cold (rotating
   copies > 200 MB) and hot (one weight, L2-resident), under cuBLAS and cuBLASLt
   (torch.backends.cuda.preferred_blas_library); a decoder layer's projections over 8 layers under both.
+pdl: programmatic dependent launch (kernels/pdl.py) off and on in the same process: a graph of 1,000 chained
+  RMSNorm kernels on one 1,024-wide row (the boundary between two of our Triton kernels), and a decoder layer's
+  projections with their norm/SiLU kernels over 8 layers (cuBLAS -> Triton boundaries) at M 1-256.
+mlp: the decode MLP at M 1-16 over 8 layers in a graph: gate_up GEMM, SiLU·mul, down GEMM (cuBLAS + our kernel)
+  against the one-kernel fused MLP (kernels/fused_mlp.py; "fused/32": 32-wide intermediate slices instead of 16),
+  with its error against a float32 reference.
 attn: decode attention at 16 q / 8 kv heads, head_dim 128, page 16, bf16 on bs 256 with workload-like ragged
   lengths (prompt 100-1024 + generated 0-1024, seeded), bs 256 x 850, bs 64 and 16 ragged; each backend
   through its CUDA-graph hooks (benchmark/attention_bw.py's harness, 10 layer calls per graph); planned
@@ -18,6 +24,7 @@ attn: decode attention at 16 q / 8 kv heads, head_dim 128, page 16, bf16 on bs 2
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -170,6 +177,91 @@ def part_latency(path: str | None) -> None:
     torch.backends.cuda.preferred_blas_library("cublas")
 
 
+# --- programmatic dependent launch -------------------------------------------------------------------
+
+
+def part_pdl(path: str | None) -> None:
+    from kubesgl.kernels.norm import rms_norm
+    from kubesgl.kernels.pdl import pdl_enabled
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(shape, generator=gen, device="cuda", dtype=torch.float32) * scale).to(BF16)
+
+    nw = 1 + 0.1 * rand(1024)
+    row = rand(1, 1024)
+    chain = 1000
+
+    def norms() -> torch.Tensor:
+        x = row
+        for _ in range(chain):
+            x = rms_norm(x, nw, EPS)
+        return x
+
+    ws = [
+        {name: rand(*SHAPES[name], scale=SHAPES[name][1] ** -0.5) for name in ("qkv", "o", "gate_up", "down")}
+        for _ in range(8)
+    ]
+    layers = {m: layer_projections(ws, nw, rand(m, 1024), rand(m, 1024), rand(m, 2048)) for m in ROWS}
+    for pdl in (False, True):
+        # kernels/pdl.py reads the switch at every launch, so one process measures both.
+        os.environ["KUBESGL_DISABLE_PDL"] = "0" if pdl else "1"
+        on = pdl_enabled(row)
+        emit(
+            {"part": "pdl", "what": "triton_chain", "pdl": on, "us": graph_seconds(norms, chain) * 1e6}, path
+        )
+        for m, projections in layers.items():
+            emit(
+                {
+                    "part": "pdl",
+                    "what": "layer",
+                    "m": m,
+                    "pdl": on,
+                    "us": graph_seconds(projections, 8) * 1e6,
+                },
+                path,
+            )
+    os.environ.pop("KUBESGL_DISABLE_PDL")
+
+
+# --- fused decode MLP -------------------------------------------------------------------------------
+
+
+def part_mlp(path: str | None) -> None:
+    from kubesgl.kernels.activation import silu_and_mul
+    from kubesgl.kernels.fused_mlp import FUSED_MLP_MAX_ROWS, fused_mlp_torch
+    from kubesgl.kernels.fused_mlp_triton import fused_mlp
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(shape, generator=gen, device="cuda", dtype=torch.float32) * scale).to(BF16)
+
+    ws = [
+        (rand(*SHAPES["gate_up"], scale=1024**-0.5), rand(*SHAPES["down"], scale=3072**-0.5))
+        for _ in range(8)
+    ]
+    weight_bytes = sum(a.numel() + b.numel() for a, b in ws) * 2 / len(ws)
+
+    def unfused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        return F.linear(silu_and_mul(F.linear(x, w13)), w2)
+
+    for m in (1, 4, 8, FUSED_MLP_MAX_ROWS):
+        x = rand(m, 1024)
+        ref = fused_mlp_torch(x.float(), ws[0][0].float(), ws[0][1].float())
+        impls = [("unfused", unfused)] + [
+            (f"fused/{bi}" if bi != 16 else "fused", functools.partial(fused_mlp, block_i=bi))
+            for bi in (16, 32)
+        ]
+        for impl, one in impls:
+            err = rel_err(one(x, *ws[0]), ref)
+            sec = graph_seconds(lambda x=x, one=one: [one(x, a, b) for a, b in ws], len(ws))
+            row = {"part": "mlp", "m": m, "impl": impl, "us": sec * 1e6, "TBps": weight_bytes / sec / 1e12,
+                   "rel_err": err, "ok": err < 2e-2}  # fmt: skip
+            emit(row, path)
+
+
 # --- attention ----------------------------------------------------------------------------------------
 
 
@@ -273,6 +365,30 @@ def summary(path: str) -> None:
                 print(
                     f"  layer M {m:>3}: cuBLAS {a:6.1f} us  cuBLASLt {b:6.1f} us  => {(a - b) * 28 / 1e3:+.3f} ms per step"
                 )
+    pdl = {(r["what"], r.get("m"), r["pdl"]): r["us"] for r in rows if r["part"] == "pdl"}
+    if pdl:
+        print("Programmatic dependent launch, us, off -> on (same process)")
+        off, on = pdl.get(("triton_chain", None, False)), pdl.get(("triton_chain", None, True))
+        if off is not None and on is not None:
+            print(
+                f"  Triton -> Triton boundary (1,000 chained RMSNorms): {off:.2f} -> {on:.2f} us per kernel"
+            )
+        for m in ROWS:
+            off, on = pdl.get(("layer", m, False)), pdl.get(("layer", m, True))
+            if off is not None and on is not None:
+                print(
+                    f"  layer M {m:>3}: {off:6.1f} -> {on:6.1f} us  => {(off - on) * 28 / 1e3:+.3f} ms per step"
+                )
+    mlp = {(r["m"], r["impl"]): r for r in rows if r["part"] == "mlp"}
+    if mlp:
+        print("Decode MLP per layer, us (TB/s of weights): unfused (3 kernels) vs fused (1)")
+        for m in sorted({m for m, _ in mlp}):
+            a, b, b32 = mlp.get((m, "unfused")), mlp.get((m, "fused")), mlp.get((m, "fused/32"))
+            if a and b:
+                print(
+                    f"  M {m:>2}: {_cell(a)} -> {_cell(b)} (slices of 32: {_cell(b32)})"
+                    f"  => {(a['us'] - b['us']) * 28 / 1e3:+.3f} ms per step"
+                )
     attn = [r for r in rows if r["part"] == "attn"]
     if attn:
         print("Decode attention, TB/s of KV read (us per layer call)")
@@ -301,7 +417,7 @@ def _ratio(base: dict | None, new: dict | None) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--part", choices=["copy", "latency", "attn"])
+    p.add_argument("--part", choices=["copy", "latency", "attn", "pdl", "mlp"])
     p.add_argument("--json", default=None, help="append rows here")
     p.add_argument("--summary", default=None, help="print the summary table of these rows and exit")
     args = p.parse_args()
@@ -313,7 +429,8 @@ def main() -> int:
         return 2
     t0 = time.time()
     {"copy": lambda: part_copy(args.json), "latency": lambda: part_latency(args.json),
-     "attn": lambda: part_attn(args.json)}[args.part]()  # fmt: skip
+     "attn": lambda: part_attn(args.json), "pdl": lambda: part_pdl(args.json),
+     "mlp": lambda: part_mlp(args.json)}[args.part]()  # fmt: skip
     print(f"{args.part} done in {time.time() - t0:.0f} s", flush=True)
     return 0
 

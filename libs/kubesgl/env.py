@@ -26,6 +26,17 @@ def step_profile() -> bool:
     return os.environ.get("KUBESGL_STEP_PROFILE", "") not in ("", "0")
 
 
+def disable_pdl() -> bool:
+    """KUBESGL_DISABLE_PDL = 1/true: our Triton kernels launch without programmatic dependent launch
+    (kernels/pdl.py); for ablations and for drivers that refuse it."""
+    return os.environ.get("KUBESGL_DISABLE_PDL") in _TRUE
+
+
+def fused_mlp() -> bool:
+    """KUBESGL_FUSED_MLP = 1/true: dense MLPs of up to 16 rows run as one Triton kernel (kernels/fused_mlp.py)."""
+    return os.environ.get("KUBESGL_FUSED_MLP") in _TRUE
+
+
 def cache_dir() -> Path:
     """Where the demo model is built: $KUBESGL_CACHE, else ~/.cache/kubesgl."""
     return Path(os.environ.get("KUBESGL_CACHE") or Path.home() / ".cache" / "kubesgl")

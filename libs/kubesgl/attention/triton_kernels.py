@@ -13,6 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kubesgl.kernels.pdl import pdl_kwargs
+from kubesgl.kernels.pdl_triton import pdl_launch_dependents, pdl_wait
+
 LOG2E = 1.4426950408889634
 EXTEND_BLOCK_M = 64  # new tokens per extend program
 
@@ -139,6 +142,7 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     MIN_CHUNK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """One program: all GROUP query heads of one kv head over one contiguous slice of one request's KV.
 
@@ -147,6 +151,8 @@ def _decode_split_kernel(
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    pdl_wait(USE_PDL)
+    pdl_launch_dependents(USE_PDL)
 
     seq_len = tl.load(seq_lens_ptr + b)
     chunk = tl.maximum(tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N, MIN_CHUNK)
@@ -188,10 +194,13 @@ def _decode_merge_kernel(
     BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Combines the per-split partial outputs of one (request, head) by their log-sum-exp weights."""
     b = tl.program_id(0)
     h = tl.program_id(1)
+    pdl_wait(USE_PDL)
+    pdl_launch_dependents(USE_PDL)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     mask_s = offs_s < NUM_SPLITS
@@ -371,6 +380,7 @@ def decode_attention(
         MIN_CHUNK=-(-min_chunk // block_n) * block_n,
         num_warps=num_warps,
         num_stages=num_stages,
+        **pdl_kwargs(q),
     )
     if num_splits > 1:
         _decode_merge_kernel[(batch, num_q_heads)](
@@ -388,6 +398,7 @@ def decode_attention(
             BLOCK_D=block_d,
             NUM_SPLITS=num_splits,
             BLOCK_S=triton.next_power_of_2(num_splits),
+            **pdl_kwargs(q),
         )
     return out
 

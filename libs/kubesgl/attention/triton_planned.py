@@ -16,6 +16,8 @@ import triton.language as tl
 
 from kubesgl.attention.decode_plan import ITEM_INTS, MERGE_INTS
 from kubesgl.attention.triton_kernels import LOG2E, _decode_range
+from kubesgl.kernels.pdl import pdl_kwargs
+from kubesgl.kernels.pdl_triton import pdl_launch_dependents, pdl_wait
 
 
 @triton.jit
@@ -49,10 +51,14 @@ def _planned_decode_kernel(
     PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     ITEM: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     item = pid // NUM_KV_HEADS
     kv_head = pid % NUM_KV_HEADS
+    # Slack items wait too: the grid must not count as finished before the kernel it depends on.
+    pdl_wait(USE_PDL)
+    pdl_launch_dependents(USE_PDL)
     b = tl.load(work_ptr + item * ITEM)
     if b >= 0:
         start = tl.load(work_ptr + item * ITEM + 1)
@@ -96,10 +102,13 @@ def _planned_merge_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     MERGE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Log-sum-exp merge of one cut request's parts for one query head (online, any number of parts)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
+    pdl_wait(USE_PDL)
+    pdl_launch_dependents(USE_PDL)
     first = tl.load(merge_ptr + b * MERGE)
     count = tl.load(merge_ptr + b * MERGE + 1)
     if count > 0:
@@ -182,6 +191,7 @@ def planned_decode_attention(
         ITEM=ITEM_INTS,
         num_warps=num_warps,
         num_stages=num_stages,
+        **pdl_kwargs(q),
     )
     _planned_merge_kernel[(batch, num_q_heads)](
         work[capacity * ITEM_INTS :],
@@ -197,5 +207,6 @@ def planned_decode_attention(
         BLOCK_D=block_d,
         MERGE=MERGE_INTS,
         num_warps=1,
+        **pdl_kwargs(q),
     )
     return out

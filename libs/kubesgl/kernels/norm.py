@@ -29,10 +29,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (norm(x + residual) * weight, x + residual): the residual stream for the next sub-layer."""
+    """Returns (norm(x + residual) * weight, x + residual): the residual stream for the next sub-layer.
+
+    The sum is in residual's dtype: a float32 x (the fused MLP's output) is rounded to it before the add."""
     if use_triton(x):
         from kubesgl.kernels import norm_triton
 
         return norm_triton.fused_add_rms_norm(x, residual, weight, eps)
-    summed = x + residual
+    summed = x.to(residual.dtype) + residual
     return rms_norm_torch(summed, weight, eps), summed

@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kubesgl.kernels.pdl import pdl_kwargs
+from kubesgl.kernels.pdl_triton import pdl_launch_dependents, pdl_wait
 from kubesgl.kernels.rotary_triton import norm_rotate_heads
 
 
@@ -41,8 +43,12 @@ def _qkv_prep_kernel(
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
     HAS_NORM: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
+    # positions and slots are written by the step's input kernels, the qkv row by the projection.
+    pdl_wait(USE_PDL)
+    pdl_launch_dependents(USE_PDL)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     loc = tl.load(loc_ptr + t).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
@@ -128,5 +134,6 @@ def qkv_prep(
         BLOCK_HK=triton.next_power_of_2(num_kv_heads),
         HAS_NORM=has_norm,
         num_warps=4,
+        **pdl_kwargs(qkv),
     )
     return q

@@ -6,6 +6,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kubesgl.kernels.pdl import pdl_kwargs
+from kubesgl.kernels.pdl_triton import pdl_launch_dependents, pdl_wait
+
 
 @triton.jit
 def norm_rotate_heads(
@@ -57,8 +60,11 @@ def _rotary_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
+    pdl_wait(USE_PDL)
+    pdl_launch_dependents(USE_PDL)
     pos = tl.load(pos_ptr + row).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     cos = tl.load(cos_ptr + pos * stride_cs + offs_d, mask=offs_d < HALF, other=0.0)[None, :]
@@ -92,5 +98,6 @@ def apply_rotary_neox(
         BLOCK_D=triton.next_power_of_2(half),
         BLOCK_HQ=triton.next_power_of_2(num_q_heads),
         BLOCK_HK=triton.next_power_of_2(num_k_heads),
+        **pdl_kwargs(q),
     )
     return q, k

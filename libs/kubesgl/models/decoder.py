@@ -16,6 +16,7 @@ from torch import nn
 from kubesgl.distributed import TPGroup
 from kubesgl.errors import UnsupportedModelError
 from kubesgl.kernels.dispatch import use_triton
+from kubesgl.kernels.fused_mlp import fused_mlp, fused_mlp_applies
 from kubesgl.layers.activation import SiluAndMul
 from kubesgl.layers.attention import Attention
 from kubesgl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -115,8 +116,13 @@ class DenseMLP(nn.Module):
         )
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, tp=tp)
         self.act_fn = SiluAndMul()
+        # The one-kernel decode MLP has no bias and no all-reduce (kernels/fused_mlp.py).
+        self.fusable = tp.size == 1 and not bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, H] -> [T, H]; float32 from the fused small-batch kernel, which only a residual norm reads."""
+        if self.fusable and fused_mlp_applies(x):
+            return fused_mlp(x, self.gate_up_proj.weight, self.down_proj.weight)
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
