@@ -127,12 +127,12 @@ class ModelRunner:
                 pad_slot=slots,
                 compiled=self.compiled,
             )
-        if self.compiled is not None:
-            log.info(
-                "torch.compile: %.1f s at start-up (cache %s)",
-                self.compiled.compile_seconds,
-                self.compiled.cache_dir,
-            )
+        if (
+            self.compiled is not None
+        ):  # the graphs' warm-up compiled their sizes; without graphs, first use does
+            c = self.compiled
+            when = f"{c.compile_seconds:.1f} s at start-up" if self.graphs else "compiles at first use"
+            log.info("torch.compile (decode bs <= %d): %s (cache %s)", c.max_bs, when, c.cache_dir)
         # Unseeded sampling draws from this generator: every TP rank must draw the same numbers.
         torch.manual_seed(config.seed)
 
@@ -144,7 +144,7 @@ class ModelRunner:
         if self.device.type != "cuda":
             return
         self.graphs = None
-        for name in ("model", "kv", "page_table", "token_pool", "sampler", "staging", "attn"):
+        for name in ("compiled", "model", "kv", "page_table", "token_pool", "sampler", "staging", "attn"):
             setattr(self, name, None)
         gc.collect()  # the graphs and the tensors they captured refer to each other
         torch.cuda.empty_cache()

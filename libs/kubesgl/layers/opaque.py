@@ -59,7 +59,10 @@ def tracing() -> bool:
 @torch.library.custom_op("kubesgl::attention_block", mutates_args=("qkv",))
 def attention_block(qkv: torch.Tensor, positions: torch.Tensor, layer_id: int, q_size: int) -> torch.Tensor:
     """Layer `layer_id`'s block from the fused qkv projection to the attention output [T, q_size]: q/k norm,
-    RoPE, the K/V store into the cache and paged attention, on the batch `forward_context` installed."""
+    RoPE, the K/V store into the cache and paged attention, on the batch `forward_context` installed.
+
+    The output must be a tensor of its own (every backend allocates it per call): Inductor may reuse its
+    memory for later buffers once the o projection has read it."""
     if not _current:
         raise RuntimeError("kubesgl::attention_block called outside forward_context")
     ctx = _current[-1]

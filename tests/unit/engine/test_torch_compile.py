@@ -62,6 +62,23 @@ def test_compiled_decode_is_token_identical_to_eager(arch: str, tmp_path: Path, 
     assert any(inductor_cache.iterdir())
 
 
+@needs_cxx
+def test_a_dynamic_batch_dimension_compiles_once_above_bs_1(
+    tmp_path: Path, inductor_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Four requests of different lengths with max bs 3: the 4-row steps stay eager, the 3- and 2-row steps share
+    one compile (the batch dimension dynamic), the 1-row steps have their own (Dynamo specialises a size of 1)."""
+    monkeypatch.setenv("KUBESGL_TORCH_COMPILE_DYNAMIC", "1")
+    model = str(build_random_model("qwen3", tmp_path / "q", init_std=0.5, seed=4))
+    prompts = [*PROMPTS, [3, 4]]
+    params = [SamplingParams(max_tokens=n, temperature=0.0) for n in (4, 6, 8, 10)]
+    eager = LLM(model, device="cpu").generate(prompts, params)
+    llm = LLM(model, device="cpu", enable_torch_compile=True, torch_compile_max_bs=3)
+    compiled = llm.generate(prompts, params)
+    assert [o["token_ids"] for o in compiled] == [o["token_ids"] for o in eager]
+    assert llm.engine.runner.compiled is not None and llm.engine.runner.compiled.compiled_for == {1, 2}
+
+
 def test_torch_compile_with_tensor_parallelism_is_refused() -> None:
     config = EngineConfig(model_path="unused", enable_torch_compile=True, tp_size=2)
     with pytest.raises(InvalidRequestError, match="enable_torch_compile needs tp_size 1"):
