@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from kubesgl.kernels import fused_moe
+from kubesgl.kernels.dispatch import use_triton
 
 if TYPE_CHECKING:
     from kubesgl.layers.forward import ForwardBatch
@@ -55,8 +56,7 @@ def tracing() -> bool:
     return torch.compiler.is_compiling()
 
 
-# qkv is declared mutated: the eager prep rotates q and k in place inside it.
-@torch.library.custom_op("kubesgl::attention_block", mutates_args=("qkv",))
+@torch.library.custom_op("kubesgl::attention_block", mutates_args=())
 def attention_block(qkv: torch.Tensor, positions: torch.Tensor, layer_id: int, q_size: int) -> torch.Tensor:
     """Layer `layer_id`'s block from the fused qkv projection to the attention output [T, q_size]: q/k norm,
     RoPE, the K/V store into the cache and paged attention, on the batch `forward_context` installed.
@@ -66,7 +66,9 @@ def attention_block(qkv: torch.Tensor, positions: torch.Tensor, layer_id: int, q
     if not _current:
         raise RuntimeError("kubesgl::attention_block called outside forward_context")
     ctx = _current[-1]
-    return ctx.blocks[layer_id].attend(qkv, positions, ctx.fb)
+    # The fused Triton prep only reads qkv; the torch prep rotates q and k in place inside it, so it gets a copy
+    # (declaring qkv mutated instead would have Inductor copy it on the GPU path too).
+    return ctx.blocks[layer_id].attend(qkv if use_triton(qkv) else qkv.clone(), positions, ctx.fb)
 
 
 @attention_block.register_fake
