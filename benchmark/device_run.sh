@@ -140,6 +140,18 @@ case "$mode" in
     timeout 80 $B --model Qwen3-0.6B --enable-mixed-chunk | tail -1
     timeout 80 $B --model Qwen3-0.6B | tail -1
     ;;
+  compile25)  # --enable-torch-compile (issue 25), same call: offline off / on (static, bs <= 32; its compile
+              # cold), the kernel trace at bs 1 and 64 on (dynamic batch dim, bs <= 64) and off, the GPU parity
+              # test; table last (~4 min, each step bounded)
+    C="python3 -m kubesgl.cli bench offline --model Qwen3-0.6B --json $OUT/compile25.jsonl"
+    timeout 60 $C | tail -1
+    timeout 110 $C --enable-torch-compile | tail -1
+    KT="python3 benchmark/kernel_trace.py --batch-sizes 1,64 --steps 10 --top 8 --json $OUT/trace25.jsonl"
+    KUBESGL_TORCH_COMPILE_DYNAMIC=1 timeout 90 $KT --enable-torch-compile --torch-compile-max-bs 64
+    timeout 45 $KT | grep -E "^(== |attention)"
+    timeout 50 python3 -m pytest -q -p no:cacheprovider -m gpu --tb=short tests/unit/engine/test_torch_compile.py 2>&1 | tail -5
+    python3 benchmark/compile_table.py "$OUT/compile25.jsonl" "$OUT/trace25.jsonl" | tee "$OUT/compile25.txt"
+    ;;
   peers)  # Mini-SGLang on the same workload (benchmark/peers.sh; .gpu/minisgl carried) -> $OUT/peers.jsonl
     bash benchmark/peers.sh
     ;;

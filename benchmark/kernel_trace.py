@@ -214,6 +214,10 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--cuda-graph-max-bs", type=int, default=None)
+    p.add_argument(
+        "--enable-torch-compile", action="store_true", help="the compiled forward (engine/compile.py)"
+    )
+    p.add_argument("--torch-compile-max-bs", type=int, default=32)
     p.add_argument("--page-size", type=int, default=1, help="KV page size (the offline benchmark's is 16)")
     p.add_argument("--prefill-tokens", type=int, default=0, help="also trace one prefill step of ~N tokens")
     p.add_argument("--host-profile", action="store_true", help="cProfile the host side of the prefill step")
@@ -228,6 +232,7 @@ def main() -> int:
 
     from kubesgl import LLM
     from kubesgl.bench.offline import _resolve_model
+    from kubesgl.engine.compile import compile_figures
 
     model_dir, dummy = _resolve_model(args.model)
     sizes = [int(s) for s in args.batch_sizes.split(",") if s]
@@ -242,8 +247,11 @@ def main() -> int:
         max_running_requests=max(sizes + [b + chunk_tokens // args.context + 2 for b in mixed_sizes]),
         cuda_graph_max_bs=args.cuda_graph_max_bs,
         page_size=args.page_size,
+        enable_torch_compile=args.enable_torch_compile,
+        torch_compile_max_bs=args.torch_compile_max_bs,
     )
-    print(f"attention backend: {type(llm.engine.runner.attn).__name__}", flush=True)
+    compiled = compile_figures(llm.engine.runner.compiled)
+    print(f"attention backend: {type(llm.engine.runner.attn).__name__}; {compiled}", flush=True)
     runs = [lambda bs=bs: trace_batch(llm, bs, args.context, args.steps, args.top) for bs in sizes]
     if args.prefill_tokens:
         runs.append(
@@ -252,7 +260,7 @@ def main() -> int:
     runs += [lambda bs=bs: trace_mixed(llm, bs, chunk_tokens, args.context, args.top) for bs in mixed_sizes]
     for run in runs:
         res = run()
-        res.update(model=args.model, attn=type(llm.engine.runner.attn).__name__)
+        res.update(model=args.model, attn=type(llm.engine.runner.attn).__name__, **compiled)
         if args.json:
             with open(args.json, "a") as f:
                 f.write(json.dumps(res) + "\n")

@@ -48,3 +48,16 @@ def api_key(openai_fallback: bool = False) -> str | None:
     if openai_fallback:
         return key or os.environ.get("OPENAI_API_KEY")
     return key
+
+
+def torch_compile_cache_dir() -> Path:
+    """Inductor's cache under --enable-torch-compile (compiled kernels and graphs, so a restart skips most of
+    the compile): $KUBESGL_TORCH_COMPILE_CACHE, else inductor/ in `cache_dir()`. An explicit
+    $TORCHINDUCTOR_CACHE_DIR wins over both."""
+    return Path(os.environ.get("KUBESGL_TORCH_COMPILE_CACHE") or cache_dir() / "inductor")
+
+
+def torch_compile_dynamic() -> bool:
+    """KUBESGL_TORCH_COMPILE_DYNAMIC=1/true: compile once with the batch dimension dynamic instead of once per
+    batch size (a measurement switch: compile time against step time)."""
+    return os.environ.get("KUBESGL_TORCH_COMPILE_DYNAMIC") in _TRUE

@@ -56,6 +56,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cuda-graph-max-bs", type=int, default=d.cuda_graph_max_bs, help="0 disables")
     parser.add_argument("--disable-overlap", action="store_true", help="no overlap scheduling")
     parser.add_argument(
+        "--enable-torch-compile",
+        action="store_true",
+        help="decode batches up to --torch-compile-max-bs run the forward compiled by Inductor, inside the "
+        "decode CUDA graphs (SGLang's flag; the compile is cached in $KUBESGL_TORCH_COMPILE_CACHE)",
+    )
+    parser.add_argument(
+        "--torch-compile-max-bs", type=_positive_int, default=d.torch_compile_max_bs, help="see above"
+    )
+    parser.add_argument(
         "--gil-switch-interval-ms",
         type=_positive_float,
         default=None,
@@ -175,6 +184,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         attn=args.attn,
         cuda_graph_max_bs=args.cuda_graph_max_bs,
         disable_overlap=args.disable_overlap,
+        enable_torch_compile=args.enable_torch_compile,
+        torch_compile_max_bs=args.torch_compile_max_bs,
         enable_mixed_chunk=args.enable_mixed_chunk,
         dummy_weight=args.dummy_weight,
         seed=args.seed,

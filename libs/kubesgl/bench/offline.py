@@ -40,6 +40,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cuda-graph-max-bs", type=int, default=None)
     p.add_argument("--disable-overlap", action="store_true")
     p.add_argument(
+        "--enable-torch-compile",
+        action="store_true",
+        help="decode batches up to --torch-compile-max-bs run the forward compiled by Inductor (SGLang's flag)",
+    )
+    p.add_argument("--torch-compile-max-bs", type=int, default=32)
+    p.add_argument(
         "--enable-mixed-chunk",
         action=argparse.BooleanOptionalAction,
         default=False,
@@ -247,6 +253,7 @@ def main(args: argparse.Namespace) -> int:
     import torch
 
     from kubesgl import LLM, SamplingParams
+    from kubesgl.engine.compile import compile_figures
     from kubesgl.engine.step_profile import StepProfile
     from kubesgl.kv.kv_cache import KVCache
     from kubesgl.values.constraint import Constraint
@@ -269,6 +276,8 @@ def main(args: argparse.Namespace) -> int:
         cuda_graph_max_bs=args.cuda_graph_max_bs,
         disable_overlap=args.disable_overlap,
         enable_mixed_chunk=args.enable_mixed_chunk,
+        enable_torch_compile=args.enable_torch_compile,
+        torch_compile_max_bs=args.torch_compile_max_bs,
         dummy_weight=dummy,
         max_running_requests=args.max_running_requests,
         max_prefill_tokens=args.max_prefill_length,
@@ -319,7 +328,8 @@ def main(args: argparse.Namespace) -> int:
         "max_prefill_length": args.max_prefill_length,
         "blas": torch.backends.cuda.preferred_blas_library().name if args.device == "cuda" else None,
         "cuda_graph_max_bs": graphs.max_bs if graphs else 0,
-        "graph_capture_s": round(graphs.capture_seconds, 2) if graphs else 0.0,
+        "graph_capture_s": round(graphs.capture_seconds, 2) if graphs else 0.0,  # compile included
+        **compile_figures(llm.engine.runner.compiled),
         "requests": len(prompts),
         "prompt_tokens": sum(map(len, prompts)),
         "output_tokens": out_tokens,

@@ -24,6 +24,10 @@ class EngineConfig:
     attn: str = "auto"  # "torch" | "triton" | "flashinfer" | "fa3" | "prefill,decode" | "auto"
     cuda_graph_max_bs: int | None = None  # None = auto, 0 = off
     disable_overlap: bool = False
+    # SGLang's --enable-torch-compile / --torch-compile-max-bs: decode batches of at most that many rows run the
+    # forward compiled by Inductor (engine/compile.py), inside the decode CUDA graphs on a GPU.
+    enable_torch_compile: bool = False
+    torch_compile_max_bs: int = 32
     # SGLang's --enable-mixed-chunk: a prefill step also carries the decode batch (one token per request, counted
     # against max_prefill_tokens), so decoding requests advance while prompts are prefilled. The step is eager:
     # its decode rows leave the decode CUDA graph and attend through the prefill backend.
@@ -53,6 +57,11 @@ class EngineConfig:
             (self.max_prefill_tokens >= 1, "max_prefill_tokens must be >= 1"),
             (self.device in ("cpu", "cuda"), f"device must be 'cpu' or 'cuda', got {self.device!r}"),
             (self.num_pages is None or self.num_pages >= 1, "num_pages must be >= 1"),
+            (self.torch_compile_max_bs >= 1, "torch_compile_max_bs must be >= 1"),
+            (
+                not self.enable_torch_compile or self.tp_size == 1,
+                "enable_torch_compile needs tp_size 1 (the compiled forward has no collectives)",
+            ),
             (
                 self.default_max_tokens is None or self.default_max_tokens >= 1,
                 "default_max_tokens must be >= 1",

@@ -16,6 +16,7 @@ import torch
 
 from kubesgl.attention.base import AttentionBackend, AttentionMetadata
 from kubesgl.attention.graph_hooks import supports_cuda_graph
+from kubesgl.engine.compile import CompiledForward
 from kubesgl.engine.decode_inputs import decode_inputs
 from kubesgl.engine.gumbel_sampling import gumbel_tokens, philox_key, sampling_scale
 from kubesgl.engine.sampler import Sampler, greedy_tokens, temperature_tokens
@@ -78,6 +79,7 @@ class DecodeGraphs:
         seed: int,
         max_bs: int,
         pad_slot: int,
+        compiled: CompiledForward | None = None,
     ) -> None:
         if not supports_cuda_graph(attn):
             raise ValueError(f"attention backend {type(attn).__name__} cannot run in CUDA graphs")
@@ -87,6 +89,7 @@ class DecodeGraphs:
         self.sizes = capture_sizes(max_bs)
         self.max_bs = self.sizes[-1]
         self.pad_slot = pad_slot
+        self.compiled = compiled  # the sizes it accepts capture the compiled forward (compiled at warm-up)
         dev = token_pool.device
         # Room for the slots and positions plus a few page-table writes per row (more go in a new tensor).
         self.io = torch.zeros(2 * self.max_bs + 3 * 4 * self.max_bs, dtype=torch.int64, device=dev)
@@ -118,7 +121,9 @@ class DecodeGraphs:
         slots, positions = self.io[:bs], self.io[bs : 2 * bs]
         input_ids, out_loc = decode_inputs(self.token_pool, self.page_table, slots, positions, self.page_size)
         fb = ForwardBatch("decode", input_ids, positions, out_loc, self.attn, self.kv)
-        return self.model.compute_logits(self.model.forward(fb))
+        compiled = self.compiled
+        forward = compiled if compiled is not None and compiled.accepts(bs) else self.model.forward
+        return self.model.compute_logits(forward(fb))
 
     def _sample(self, mode: str, bs: int) -> None:
         slots, positions, logits = self.io[:bs], self.io[bs : 2 * bs], self.logits[bs]

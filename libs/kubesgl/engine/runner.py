@@ -20,12 +20,14 @@ import torch
 from kubesgl.attention.base import AttentionMetadata
 from kubesgl.attention.registry import create_backend
 from kubesgl.distributed import TPGroup
+from kubesgl.engine.compile import CompiledForward
 from kubesgl.engine.config import EngineConfig
 from kubesgl.engine.cuda_graph import DecodeGraphs, auto_max_bs
 from kubesgl.engine.plan import BatchPlan
 from kubesgl.engine.sampler import Sampler
 from kubesgl.engine.step_result import PendingSample, PromptLogprobs, StepResult
 from kubesgl.engine.transfer import PinnedStaging
+from kubesgl.env import torch_compile_dynamic
 from kubesgl.kv.kv_cache import KVCache
 from kubesgl.layers.forward import ForwardBatch
 from kubesgl.models.loader import load_model
@@ -105,6 +107,9 @@ class ModelRunner:
             head_dim=m.head_dim,
             dtype=m.dtype,
         )
+        self.compiled: CompiledForward | None = None
+        if config.enable_torch_compile:
+            self.compiled = CompiledForward(m, config.torch_compile_max_bs, dynamic=torch_compile_dynamic())
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and config.cuda_graph_max_bs != 0:
             max_bs = config.cuda_graph_max_bs or auto_max_bs(self.device, slots)
@@ -120,7 +125,14 @@ class ModelRunner:
                 seed=config.seed,
                 max_bs=min(max_bs, slots),
                 pad_slot=slots,
+                compiled=self.compiled,
             )
+        if (
+            self.compiled is not None
+        ):  # the graphs' warm-up compiled their sizes; without graphs, first use does
+            c = self.compiled
+            when = f"{c.compile_seconds:.1f} s at start-up" if self.graphs else "compiles at first use"
+            log.info("torch.compile (decode bs <= %d): %s (cache %s)", c.max_bs, when, c.cache_dir)
         # Unseeded sampling draws from this generator: every TP rank must draw the same numbers.
         torch.manual_seed(config.seed)
 
@@ -132,7 +144,7 @@ class ModelRunner:
         if self.device.type != "cuda":
             return
         self.graphs = None
-        for name in ("model", "kv", "page_table", "token_pool", "sampler", "staging", "attn"):
+        for name in ("compiled", "model", "kv", "page_table", "token_pool", "sampler", "staging", "attn"):
             setattr(self, name, None)
         gc.collect()  # the graphs and the tensors they captured refer to each other
         torch.cuda.empty_cache()
@@ -238,9 +250,13 @@ class ModelRunner:
             seq_lens_dev=inputs.seq_lens.to(torch.int32),
         )
         self.attn.plan(meta)
-        hidden = self.model.forward(
-            ForwardBatch(plan.mode, input_ids, positions, out_loc, self.attn, self.kv)
+        compiled = self.compiled
+        forward = (
+            compiled
+            if compiled is not None and plan.mode == "decode" and compiled.accepts(len(plan.slots))
+            else self.model.forward
         )
+        hidden = forward(ForwardBatch(plan.mode, input_ids, positions, out_loc, self.attn, self.kv))
         prompt = (
             PromptLogprobs.compute(self.model.compute_logits, hidden, plan, ends - ext)
             if plan.prompt_logprobs

@@ -14,5 +14,6 @@ def triton_installed() -> bool:
 
 
 def use_triton(x: torch.Tensor) -> bool:
-    """Triton serves CUDA tensors; everything else takes the torch path."""
-    return x.is_cuda and triton_installed()
+    """Triton serves CUDA tensors; everything else takes the torch path. So does a forward pass that
+    torch.compile traces: Inductor fuses the torch ops itself (engine/compile.py)."""
+    return x.is_cuda and triton_installed() and not torch.compiler.is_compiling()

@@ -15,6 +15,7 @@ from torch import nn
 from kubesgl.distributed import TPGroup, shard_range
 from kubesgl.kernels import fused_moe
 from kubesgl.kernels.fused_moe import ExpertsForward
+from kubesgl.layers import opaque
 from kubesgl.layers.linear import copy_checked, load_full, make_param
 
 
@@ -71,5 +72,9 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route_topk(F.linear(x, self.gate.weight), self.top_k, self.renormalize)
-        out = self.experts_impl(x, self.experts.w13, self.experts.w2, weights, ids)
+        # torch.compile: the experts are one opaque op (their reference reads per-expert counts on the host).
+        experts = (
+            opaque.moe_experts if opaque.tracing() and self.experts_impl is fused_moe else self.experts_impl
+        )
+        out = experts(x, self.experts.w13, self.experts.w2, weights, ids)
         return self.tp.all_reduce(out)

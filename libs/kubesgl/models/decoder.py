@@ -17,6 +17,7 @@ from kubesgl.distributed import TPGroup
 from kubesgl.errors import UnsupportedModelError
 from kubesgl.kernels.dispatch import use_triton
 from kubesgl.kernels.fused_mlp import fused_mlp, fused_mlp_applies
+from kubesgl.layers import opaque
 from kubesgl.layers.activation import SiluAndMul
 from kubesgl.layers.attention import Attention
 from kubesgl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -71,8 +72,16 @@ class DecoderAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         """The fused qkv projection, then norms, RoPE, KV store, attention and o_proj."""
         qkv = self.qkv_proj(hidden)
+        if opaque.tracing():  # torch.compile: the block between the projections is one opaque op
+            out = opaque.attention_block(qkv, positions, self.attn.layer_id, self.q_size)
+        else:
+            out = self.attend(qkv, positions, fb)
+        return self.o_proj(out)
+
+    def attend(self, qkv: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        """From the fused qkv projection to the attention output: norms, RoPE, KV store, attention."""
         prep = self._prep_fused if use_triton(qkv) else self._prep
-        return self.o_proj(self.attn(prep(qkv, positions, fb), fb))
+        return self.attn(prep(qkv, positions, fb), fb)
 
     def _prep(self, qkv: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         """q/k norms and RoPE op by op (HF's arithmetic, bit for bit on CPU), K/V into the cache; returns q."""
