@@ -93,7 +93,9 @@ case "$mode" in
           # effects); each run its own seed (fresh prompts: no prefix-cache hits from the run before). Each
           # service's CPU per output token and in cores over every run: serve_cpu.txt. ~4-5 min.
           # SERVE_* override the device defaults (the CPU check: docs/performance.md, serving section);
-          # SERVE_SCHED_ARGS="--stream-interval 2" measures SGLang's stream interval (default 1).
+          # SERVE_SCHED_ARGS="--stream-interval 2" measures SGLang's stream interval (default 1);
+          # SERVE_GATEWAY_WORKERS=N runs each gateway as N processes on its port (--gateway-workers, default 1),
+          # so g1 is one gateway pod of N workers (serve_cpu.txt lists each worker).
     M=${SERVE_MODEL:-/tmp/kubesgl-serve/Qwen3-0.6B}; G=4; DEV=${SERVE_DEVICE:-cuda}; P=${SERVE_PORT:-8000}
     W=${SERVE_WORKLOAD:---num-seqs 256 --min-input 100 --max-input 1024 --min-output 100 --max-output 1024}
     # Both engines hold their KV at once: fixed, equal pools (24k pages of 16 = 384k tokens; the workload needs 277k).
@@ -101,7 +103,7 @@ case "$mode" in
     [ -n "${SERVE_MODEL:-}" ] || python3 -c "from kubesgl.models.random_init import write_serving_config as w; w('Qwen3-0.6B', '$M')"
     URLS=$(seq -s, -f "http://127.0.0.1:%.0f" $P $((P + G - 1)))
     timeout 420 python3 -m kubesgl.cli up --model $M --device $DEV --port $P --base-port $((P + 100)) --gateways $G \
-      --detokenizers 2 --scheduler-args "--dummy-weight $KV ${SERVE_SCHED_ARGS:-}" > "$OUT/serve_up.log" 2>&1 &
+      --gateway-workers ${SERVE_GATEWAY_WORKERS:-1} --detokenizers 2 --scheduler-args "--dummy-weight $KV ${SERVE_SCHED_ARGS:-}" > "$OUT/serve_up.log" 2>&1 &
     UP=$!
     S="python3 -m kubesgl.cli bench serve $W --json $OUT/serve.jsonl"
     C="python3 benchmark/service_cpu.py snapshot $UP"

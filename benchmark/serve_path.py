@@ -236,10 +236,11 @@ def gateway_ttft(url: str) -> tuple[float, float]:
 
 
 def cpu_seconds(procs: dict[str, psutil.Process]) -> dict[str, float]:
+    """Each process's CPU time, its live children's included (a gateway's --workers)."""
     out = {}
     for name, proc in procs.items():
-        t = proc.cpu_times()
-        out[name] = t.user + t.system
+        family = [proc, *(proc.children(recursive=True) if name.startswith("gateway") else [])]
+        out[name] = sum(sum(p.cpu_times()[:2]) for p in family)
     return out
 
 
@@ -270,6 +271,7 @@ async def run_once(
         "streams": n,
         "step_ms": args.step_ms,
         "stream_interval": args.stream_interval,
+        "gateway_workers": args.gateway_workers,
         "failed": len(results) - len(ok),
         "errors": sorted({r.error for r in results if r.error})[:3],
         "output_tokens": tokens,
@@ -318,7 +320,13 @@ async def main(args: argparse.Namespace) -> None:
             "OTEL_BSP_MAX_QUEUE_SIZE": "65536",
         }
         config = StackConfig(
-            model_path=model, served_model_name=name, port=0, schedulers=0, log_level="warning", env=env
+            model_path=model,
+            served_model_name=name,
+            port=0,
+            schedulers=0,
+            gateway_workers=args.gateway_workers,
+            log_level="warning",
+            env=env,
         )
         stack = Stack(config, tempfile.mkdtemp(prefix="serve-path-"))
         stack.start()
@@ -366,6 +374,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--min-output", type=int, default=64)
     parser.add_argument("--max-output", type=int, default=128)
     parser.add_argument("--stream-interval", type=int, default=1, help="the scheduler's --stream-interval")
+    parser.add_argument("--gateway-workers", type=int, default=1, help="the gateway's --workers")
     parser.add_argument("--trace-every", type=int, default=8, help="every k-th request is traced")
     parser.add_argument("--json", default=None, help="append one JSON line per run")
     parser.add_argument("--fake-scheduler", action="store_true", help=argparse.SUPPRESS)

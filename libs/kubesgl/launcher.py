@@ -46,6 +46,7 @@ class StackConfig:
     detokenizers: int = 1
     tokenizers: int = 1
     gateways: int = 1
+    gateway_workers: int = 1  # processes per gateway, on its one port (`kubesgl gateway --workers`)
     host: str = "127.0.0.1"
     port: int = 8000  # gateway i listens on port + i; 0 = free ports
     # The other services' admin ports (/health /ready /metrics) from here up, in start order; 0 = free ports.
@@ -187,11 +188,14 @@ class Stack:
         # Bound and listening here, before the child starts: no other process can take the port meanwhile.
         host = c.host if kind == "gateway" else "127.0.0.1"
         planned = (c.port + index if c.port else 0) if kind == "gateway" else self._admin_port(name)
-        sock = self._listen(name, host, planned)
+        # A gateway's workers each listen on its port too (SO_REUSEPORT): the socket handed over must allow it.
+        workers = c.gateway_workers if kind == "gateway" else 1
+        sock = self._listen(name, host, planned, reuse_port=workers > 1)
         try:
             port, fd = sock.getsockname()[1], sock.fileno()
             if kind == "gateway":
-                args += ["--host", c.host, "--port", str(port), "--fd", str(fd), *c.gateway_args]
+                args += ["--host", c.host, "--port", str(port), "--fd", str(fd), "--workers", str(workers)]
+                args += c.gateway_args
                 ready_url = f"http://{_connect_host(c.host)}:{port}/ready"
             else:
                 args += ["--model", c.model_path, "--admin-host", host, "--admin-port", str(port)]
@@ -238,9 +242,9 @@ class Stack:
         return port
 
     @staticmethod
-    def _listen(name: str, host: str, port: int) -> socket.socket:
+    def _listen(name: str, host: str, port: int, reuse_port: bool = False) -> socket.socket:
         try:
-            return listen_socket(host, port)
+            return listen_socket(host, port, reuse_port)
         except OSError as e:
             raise PortInUseError(f"{name} cannot listen on {host}:{port}: {e.strerror}") from e
 
@@ -395,6 +399,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--nats-port", type=int, default=0, help="embedded nats-server port (0 = free)")
     parser.add_argument("--gateways", type=int, default=1)
+    parser.add_argument(
+        "--gateway-workers", type=int, default=1, help="worker processes per gateway, on its one port"
+    )
     parser.add_argument("--tokenizers", type=int, default=1)
     parser.add_argument("--detokenizers", type=int, default=1)
     parser.add_argument("--schedulers", type=int, default=1)
@@ -427,6 +434,7 @@ def main(args: argparse.Namespace) -> int:
         detokenizers=args.detokenizers,
         tokenizers=args.tokenizers,
         gateways=args.gateways,
+        gateway_workers=args.gateway_workers,
         host=args.host,
         port=args.port,
         base_port=args.base_port,

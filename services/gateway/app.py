@@ -1,5 +1,6 @@
 """`kubesgl gateway`: builds the FastAPI app (routes, error handlers, guards) around one NATS connection and
-runs it under uvicorn. `add_arguments`/`main` are what `kubesgl.cli` calls."""
+runs it under uvicorn, in this process or in --workers processes on one port (workers.py). `add_arguments`/`main`
+are what `kubesgl.cli` calls."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import socket
 from collections.abc import AsyncIterator
 from types import FrameType
@@ -20,7 +22,8 @@ from kubesgl.errors import InvalidRequestError, KubesglError, ServiceUnavailable
 from kubesgl.openai_api.http_errors import error_body, error_from_validation
 from kubesgl.routing import SchedulerRegistry
 from kubesgl.service.nats_conn import NatsSettings, connect
-from kubesgl.service.telemetry.metrics import GatewayMetrics, new_registry
+from kubesgl.service.process import parent_death_signal
+from kubesgl.service.telemetry.metrics import GatewayMetrics, multiprocess_registry, new_registry
 from kubesgl.service.telemetry.tracing import Tracing
 from kubesgl.services.gateway import native_routes, openai_routes, ops_routes
 from kubesgl.services.gateway.access_log import AccessLog, arrival_of
@@ -31,11 +34,14 @@ from kubesgl.services.gateway.config import add_arguments as add_config_argument
 from kubesgl.services.gateway.gateway import Gateway
 from kubesgl.services.gateway.guards import ApiKeyCheck, BodySizeLimit
 from kubesgl.services.gateway.http_protocol import TimedHttpProtocol
+from kubesgl.services.gateway.ops_routes import not_ready_reason
+from kubesgl.services.gateway.workers import WorkerBoard, supervise
 from starlette.exceptions import HTTPException
 
 log = logging.getLogger("kubesgl.gateway")
 
 RETRY_AFTER_S = "1"
+_READY_PUBLISH_S = 0.5  # how often a worker writes its readiness to the workers' board
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,10 +50,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     config = config_from_args(args)
+    _log_to_stderr(config)
+    if config.workers > 1:
+        return supervise(config, serve_worker)
+    serve(config)
+    return 0
+
+
+def _log_to_stderr(config: GatewayConfig) -> None:
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    app = build_app(config)
+
+
+def serve_worker(config: GatewayConfig, board: WorkerBoard, index: int) -> None:
+    """One of --workers gateway processes (spawned by workers.supervise)."""
+    # Its own process group: a terminal's Ctrl-C reaches only the supervisor, which sends each worker one
+    # SIGTERM (a second signal would cut uvicorn's drain short). It dies with the supervisor.
+    os.setpgrp()
+    parent_death_signal()
+    _log_to_stderr(config)
+    serve(config, board, index)
+
+
+def serve(config: GatewayConfig, board: WorkerBoard | None = None, index: int = 0) -> None:
+    app = build_app(config, board, index)
     server = _Server(
         app,
         uvicorn.Config(
@@ -62,7 +89,6 @@ def main(args: argparse.Namespace) -> int:
         ),
     )
     server.run([config.sock] if config.sock is not None else None)
-    return 0
 
 
 class _Server(uvicorn.Server):
@@ -93,7 +119,8 @@ class _Server(uvicorn.Server):
         self._captured_signals.clear()
 
 
-def build_app(config: GatewayConfig) -> FastAPI:
+def build_app(config: GatewayConfig, board: WorkerBoard | None = None, index: int = 0) -> FastAPI:
+    """The gateway's app; `board` and `index` make it worker `index` of a multi-process gateway."""
     api_keys = ApiKeys.from_file(config.api_keys_file)  # a bad keys file fails at start, not per request
     registry = new_registry()
     metrics = GatewayMetrics(registry)
@@ -118,9 +145,12 @@ def build_app(config: GatewayConfig) -> FastAPI:
         # Connect in the background: /health answers at once, /ready (and the API) once NATS is reached.
         starting = asyncio.create_task(start(app))
         starting.add_done_callback(_log_start_failure)
+        publishing = asyncio.create_task(_publish_readiness(app, board, index)) if board else None
         try:
             yield
         finally:
+            if publishing is not None:
+                publishing.cancel()
             if starting.done() and not starting.cancelled() and starting.exception() is None:
                 gw = starting.result()
                 await gw.bus.stop()
@@ -131,7 +161,9 @@ def build_app(config: GatewayConfig) -> FastAPI:
             tracing.shutdown()
 
     app = FastAPI(title="kubesgl gateway", version=__version__, lifespan=lifespan)
-    app.state.metrics_registry = registry
+    # A multi-process gateway's /metrics sums every worker's (prometheus_client's multiprocess mode).
+    app.state.metrics_registry = registry if board is None else multiprocess_registry(board.pids)
+    app.state.workers = board
     for module in (openai_routes, native_routes, ops_routes):
         app.include_router(module.router)
     _add_error_handlers(app)
@@ -140,6 +172,12 @@ def build_app(config: GatewayConfig) -> FastAPI:
     app.add_middleware(ApiKeyCheck, keys=api_keys)
     app.add_middleware(AccessLog)  # outermost: 401s and 413s get their line too
     return app
+
+
+async def _publish_readiness(app: FastAPI, board: WorkerBoard, index: int) -> None:
+    while True:
+        board.set_ready(index, not_ready_reason(getattr(app.state, "gateway", None)) is None)
+        await asyncio.sleep(_READY_PUBLISH_S)
 
 
 def _log_start_failure(task: asyncio.Task[Gateway]) -> None:

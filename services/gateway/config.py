@@ -30,6 +30,7 @@ class GatewayConfig:
     tokenize_attempt_timeout_s: float = 5.0
     drain_timeout_s: float = 30.0
     log_level: str = "info"
+    workers: int = 1  # gateway processes on this port (services/gateway/workers.py)
 
 
 def default_gateway_id() -> str:
@@ -90,6 +91,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="on SIGTERM, seconds to let in-flight requests finish",
     )
     parser.add_argument("--log-level", default="info")
+    parser.add_argument(
+        "--workers",
+        type=_positive_int,
+        default=1,
+        help="gateway processes serving this port, each with its own NATS connection (SO_REUSEPORT spreads "
+        "connections over them); one core each is what a busy worker uses",
+    )
+
+
+def _positive_int(value: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number >= 1")
+    return int(value)
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
@@ -107,4 +121,5 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         tokenize_attempt_timeout_s=args.tokenize_attempt_timeout,
         drain_timeout_s=args.drain_timeout,
         log_level=args.log_level,
+        workers=args.workers,
     )

@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from kubesgl.errors import ModelNotFoundError
 from kubesgl.service.telemetry.metrics import render
 from kubesgl.services.gateway.gateway import Gateway, gateway_of
+from kubesgl.services.gateway.workers import WorkerBoard
 
 router = APIRouter()
 
@@ -21,12 +22,23 @@ async def health() -> PlainTextResponse:
 
 @router.get("/ready")
 async def ready(request: Request) -> PlainTextResponse:
-    gw: Gateway | None = getattr(request.app.state, "gateway", None)
-    if gw is None or not gw.bus.connected:
-        return PlainTextResponse("not ready: NATS disconnected\n", status_code=503)
-    if not any(not hb.draining for hb in gw.registry.live()):
-        return PlainTextResponse("not ready: no live scheduler\n", status_code=503)
+    reason = not_ready_reason(getattr(request.app.state, "gateway", None))
+    board: WorkerBoard | None = getattr(request.app.state, "workers", None)
+    if reason is None and board is not None and (waiting := board.not_ready()):
+        # The kernel gives connections to every worker of the port: ready only when all of them are.
+        reason = f"gateway worker {', '.join(map(str, waiting))} not ready"
+    if reason is not None:
+        return PlainTextResponse(f"not ready: {reason}\n", status_code=503)
     return PlainTextResponse("ready\n")
+
+
+def not_ready_reason(gw: Gateway | None) -> str | None:
+    """Why this gateway process cannot serve requests now, or None."""
+    if gw is None or not gw.bus.connected:
+        return "NATS disconnected"
+    if not any(not hb.draining for hb in gw.registry.live()):
+        return "no live scheduler"
+    return None
 
 
 @router.get("/metrics")

@@ -208,6 +208,22 @@ def test_drain_grace_period() -> None:
         render({"gateway": {"drainTimeoutSeconds": 115}})
 
 
+@pytest.mark.parametrize(
+    ("gateway", "workers"),
+    [
+        ({}, "1"),  # the default request, 500m: one worker
+        ({"resources": {"requests": {"cpu": "2500m"}}}, "3"),
+        ({"resources": {"requests": {"cpu": 4}}}, "4"),
+        ({"resources": {"requests": {"cpu": "0.2"}}}, "1"),
+        ({"resources": {"requests": {}}}, "1"),
+        ({"workers": 6, "resources": {"requests": {"cpu": "1"}}}, "6"),
+    ],
+)
+def test_gateway_workers_follow_the_cpu_request(gateway: dict[str, Any], workers: str) -> None:
+    """gateway.workers 0 (default) runs one gateway process per requested core, rounded up; a number is kept."""
+    assert arg(container(render({"gateway": gateway}), "Deployment", "gateway"), "--workers") == workers
+
+
 def test_security_contexts_hardened() -> None:
     for value_set, values in VALUE_SETS.items():
         for name, pod in pod_specs(render(values)):

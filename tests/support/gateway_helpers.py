@@ -16,7 +16,8 @@ from kubesgl.service.listen import listen_socket
 class GatewayProcess:
     def __init__(self, nats_url: str, log_dir: Path, *args: str) -> None:
         # Bound here and handed over, as the launcher does: a parallel test cannot take the port meanwhile.
-        with listen_socket("127.0.0.1", 0) as sock:
+        # With --workers the other workers' sockets join this one's port (SO_REUSEPORT).
+        with listen_socket("127.0.0.1", 0, reuse_port="--workers" in args) as sock:
             self.port = sock.getsockname()[1]
             self.url = f"http://127.0.0.1:{self.port}"
             self.log_path = log_dir / f"gateway-{self.port}.log"

@@ -452,3 +452,18 @@ spec:
       {{- include "kubesgl.selectorLabels" . | nindent 6 }}
 {{- end }}
 {{- end -}}
+
+{{- /* The gateway's --workers: gateway.workers, or with 0 its CPU request in cores, rounded up, at least 1. */}}
+{{- define "kubesgl.gatewayWorkers" -}}
+{{- $g := .Values.gateway -}}
+{{- $workers := int $g.workers -}}
+{{- if eq $workers 0 -}}
+{{- $cpu := toString (dig "requests" "cpu" "1" ($g.resources | default dict)) -}}
+{{- if hasSuffix "m" $cpu -}}
+{{- $workers = divf (trimSuffix "m" $cpu | float64) 1000 | ceil | int -}}
+{{- else -}}
+{{- $workers = $cpu | float64 | ceil | int -}}
+{{- end -}}
+{{- end -}}
+{{- max $workers 1 -}}
+{{- end -}}

@@ -15,12 +15,16 @@ import socket
 _BACKLOG = 2048  # uvicorn's default; the kernel caps it at net.core.somaxconn
 
 
-def listen_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket listening on host:port (port 0: any free one), inheritable by a child (`pass_fds`)."""
+def listen_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket:
+    """A TCP socket listening on host:port (port 0: any free one), inheritable by a child (`pass_fds`).
+    `reuse_port` sets SO_REUSEPORT, so more sockets of this user may listen on the same port and the kernel
+    spreads new connections over them (a gateway's workers, services/gateway/workers.py)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn and asyncio servers do
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((host, port))
         sock.listen(_BACKLOG)
     except BaseException:

@@ -13,9 +13,11 @@ Multiple processes: a scheduler pod with TP > 1 runs one process per GPU, but on
 engine loop: it admits every request, receives every output and reads the page pool, while ranks 1..N-1
 run the same batches on their weight shards in lockstep. Rank 0 alone therefore owns a SchedulerMetrics
 and serves /metrics; its numbers are the whole instance's, and exporting from the other ranks would only
-repeat them (a `sum` over pods would double count). Every other service runs one process per pod and
-scales by replicas, which Prometheus tells apart by their pod label, so no metric is ever written from
-two processes and prometheus_client's multiprocess mode is not needed.
+repeat them (a `sum` over pods would double count). Tokenizer and detokenizer run one process per pod and
+scale by replicas, which Prometheus tells apart by their pod label. A gateway pod may run several worker
+processes on one port (`--workers`, services/gateway/workers.py): they use prometheus_client's multiprocess
+mode, so the /metrics any worker answers is the pod's sum (`multiprocess_registry`), and the dashboards'
+`process_*` series come once per worker under a `worker` label, which `sum by (pod)` adds up.
 
 Label names: none is a label a scrape attaches to every target (the Prometheus Operator's `job`, `instance`,
 `namespace`, `pod`, `container`, `service`, `endpoint`, `node`). Prometheus would rename ours to
@@ -40,6 +42,8 @@ from prometheus_client import (
     generate_latest,
 )
 from prometheus_client.gc_collector import GCCollector
+from prometheus_client.metrics_core import Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 
@@ -72,6 +76,32 @@ def new_registry() -> CollectorRegistry:
     GCCollector(registry=registry)
     PlatformCollector(registry=registry)
     return registry
+
+
+def multiprocess_registry(worker_pids: Callable[[], dict[int, int]]) -> CollectorRegistry:
+    """What a worker of a multi-process service renders: every worker's metrics, summed from
+    PROMETHEUS_MULTIPROC_DIR, and each worker's process_* series labelled `worker` (`worker_pids` gives
+    index -> pid). prometheus_client has no GC metrics in this mode."""
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry)
+    registry.register(_WorkerProcesses(worker_pids))
+    return registry
+
+
+class _WorkerProcesses:
+    """ProcessCollector's series for several processes, one `worker` label value each."""
+
+    def __init__(self, worker_pids: Callable[[], dict[int, int]]) -> None:
+        self._worker_pids = worker_pids
+
+    def collect(self) -> Iterator[Metric]:
+        families: dict[str, Metric] = {}
+        for worker, pid in sorted(self._worker_pids().items()):
+            for family in ProcessCollector(pid=lambda pid=pid: pid, registry=None).collect():
+                out = families.setdefault(family.name, Metric(family.name, family.documentation, family.type))
+                for sample in family.samples:
+                    out.add_sample(sample.name, {**sample.labels, "worker": str(worker)}, sample.value)
+        yield from families.values()
 
 
 def render(registry: CollectorRegistry) -> tuple[bytes, str]:
@@ -449,6 +479,7 @@ class GatewayMetrics:
             "HTTP requests being answered now.",
             ["model"],
             registry=registry,
+            multiprocess_mode="livesum",  # a multi-process gateway's pod: the sum over its live workers
         )
         # Same buckets as the scheduler's sglang:* histograms so the two can be compared bucket by bucket.
         self._ttft = Histogram(
