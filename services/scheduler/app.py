@@ -61,8 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--gil-switch-interval-ms",
         type=_positive_float,
         default=None,
-        help="Python's thread switch interval (sys.setswitchinterval; default Python's 5 ms): how long the engine "
-        "thread may wait for the GIL while the bus thread runs Python code",
+        help="Python's thread switch interval (sys.setswitchinterval; default Python's 5 ms) of this process: with "
+        "--no-engine-process, how long the engine thread may wait for the GIL while the bus thread runs Python code",
     )
     parser.add_argument(
         "--engine-process",
