@@ -8,10 +8,12 @@ from __future__ import annotations
 import functools
 import os
 import queue
+import subprocess
+import sys
 import threading
 from collections import deque
 
-import pytest
+import psutil
 from kubesgl.errors import InvalidRequestError, KubesglError
 from kubesgl.service.telemetry.metrics import SchedulerMetrics, new_registry
 from kubesgl.service.telemetry.scheduler import SchedulerTelemetry
@@ -153,13 +155,21 @@ def test_the_engine_process_dying_fails_the_service_side_clearly() -> None:
 
 
 def test_the_engine_process_stops_when_the_service_process_is_gone() -> None:
-    side = Side(4)
-    side.engine.start()
-    assert side.loaded.wait(WAIT_S)
-    proc = side.engine._proc
-    side.engine._stopping = True  # what follows is the service process vanishing, not an engine failure
-    side.engine._conn.close()  # as the service process's death closes its end of the pipe
-    proc.join(WAIT_S)
-    assert proc.exitcode == 0
-    with pytest.raises(queue.Empty):
-        side.fatal.get_nowait()
+    """A service process that dies at once (os._exit, as SIGKILL would) leaves no engine process behind."""
+    script = (
+        "import os, sys, test_engine_process as t\n"
+        "side = t.Side(4).__enter__()\n"
+        "print(side.engine.pid, flush=True)\n"
+        "os._exit(9)\n"
+    )
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, *sys.path])}
+    service = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=WAIT_S
+    )
+    assert service.returncode == 9, service.stderr
+    try:
+        engine = psutil.Process(int(service.stdout.split()[0]))
+    except psutil.NoSuchProcess:
+        return  # already gone
+    engine.wait(WAIT_S)  # raises psutil.TimeoutExpired while the orphaned engine process lives on
