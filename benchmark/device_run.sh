@@ -96,6 +96,8 @@ case "$mode" in
           # SERVE_SCHED_ARGS="--stream-interval 2" measures SGLang's stream interval (default 1);
           # SERVE_GATEWAY_WORKERS=N runs each gateway as N processes on its port (--gateway-workers, default 1),
           # so g1 is one gateway pod of N workers (serve_cpu.txt lists each worker).
+          # SERVE_SCHED_ARGS="--stream-interval 2" measures SGLang's stream interval (default 1).
+          # SERVE_SCHED_ARGS="--no-engine-process": the engine on a thread of the scheduler's service process (one GIL).
     M=${SERVE_MODEL:-/tmp/kubesgl-serve/Qwen3-0.6B}; G=4; DEV=${SERVE_DEVICE:-cuda}; P=${SERVE_PORT:-8000}
     W=${SERVE_WORKLOAD:---num-seqs 256 --min-input 100 --max-input 1024 --min-output 100 --max-output 1024}
     # Both engines hold their KV at once: fixed, equal pools (24k pages of 16 = 384k tokens; the workload needs 277k).

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import random
@@ -129,6 +130,7 @@ def run_fake_scheduler(args: argparse.Namespace) -> int:
     from kubesgl.service.telemetry.scheduler import SchedulerTelemetry
     from kubesgl.service.telemetry.tracing import Tracing
     from kubesgl.services.scheduler.engine_loop import EngineLoop
+    from kubesgl.services.scheduler.engine_process import EngineProcess
     from kubesgl.services.scheduler.service import SchedulerService
 
     registry, tracing = new_registry(), Tracing("kubesgl-scheduler")
@@ -138,15 +140,13 @@ def run_fake_scheduler(args: argparse.Namespace) -> int:
         return SchedulerTelemetry(metrics, tracing, INSTANCE, "demo")
 
     async def build(nc: Any, stop: asyncio.Event) -> SchedulerService:
-        def loop(service: SchedulerService) -> EngineLoop:
-            return EngineLoop(
-                lambda: FakeEngine(args.step_ms, args.prefill_tok_s, args.max_running),
-                telemetry,
-                service.engine_loaded,
-                service.engine_outputs,
-                service.engine_failed,
-                service.engine_kv_events,
-            )
+        def loop(service: SchedulerService) -> EngineLoop | EngineProcess:
+            # picklable, for the engine process (spawn imports this script as __mp_main__)
+            make = functools.partial(FakeEngine, args.step_ms, args.prefill_tok_s, args.max_running)
+            callbacks = (service.engine_loaded, service.engine_outputs, service.engine_failed)
+            if args.engine_process:
+                return EngineProcess(make, telemetry, *callbacks, service.engine_kv_events, args.log_level)
+            return EngineLoop(make, telemetry, *callbacks, service.engine_kv_events)
 
         return SchedulerService(
             nc, INSTANCE, "demo", args.max_running, 4096, loop, stop, stream_interval=args.stream_interval
@@ -335,7 +335,8 @@ async def main(args: argparse.Namespace) -> None:
             [sys.executable, __file__, "--fake-scheduler", "--nats-url", stack.nats_url, "--admin-port",
              str(admin), "--admin-host", "127.0.0.1", "--log-level", "warning", "--step-ms", str(args.step_ms),
              "--prefill-tok-s", str(args.prefill_tok_s), "--max-running", str(args.max_running),
-             "--stream-interval", str(args.stream_interval)],
+             "--stream-interval", str(args.stream_interval),
+             "--engine-process" if args.engine_process else "--no-engine-process"],
             env={**os.environ, **env},
         )  # fmt: skip
         try:
@@ -351,6 +352,9 @@ async def main(args: argparse.Namespace) -> None:
                     break
                 except Exception:
                     await asyncio.sleep(0.5)
+            for child in procs["scheduler (fake engine)"].children():  # --engine-process: the engine's own
+                if "resource_tracker" not in " ".join(child.cmdline()):
+                    procs["scheduler engine process"] = child
             for n in args.streams:
                 row = await run_once(stack, procs, receiver, args, n)
                 print_row(row)
@@ -377,6 +381,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--gateway-workers", type=int, default=1, help="the gateway's --workers")
     parser.add_argument("--trace-every", type=int, default=8, help="every k-th request is traced")
     parser.add_argument("--json", default=None, help="append one JSON line per run")
+    parser.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the scheduler's --engine-process: the fake engine in a process of its own, apart from the bus work",
+    )
     parser.add_argument("--fake-scheduler", action="store_true", help=argparse.SUPPRESS)
     known, rest = parser.parse_known_args()
     if known.fake_scheduler:

@@ -55,20 +55,12 @@ def snapshot(root: int, label: str) -> dict[str, object]:
     under = {root}
     for _ in range(8):  # `timeout` -> launcher -> services (a scheduler's TP ranks one level deeper)
         under |= {pid for pid, parent in parents.items() if parent in under}
-    return {
-        "label": label,
-        "t": time.time(),
-        "cpu_s": {_named(p, parents): round(cpu[p], 3) for p in sorted(under)},
-    }
-
-
-def _named(pid: int, parents: dict[int, int]) -> str:
-    """_name, but a gateway's --workers (multiprocessing children) as `gateway:8000/worker <pid>`."""
-    try:
-        spawned = b"--multiprocessing-fork" in Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        spawned = False
-    return f"{_name(parents[pid])}/worker {pid}" if spawned else _name(pid)
+    names = {p: _name(p) for p in under}
+    # A multiprocessing child (the scheduler's engine process, its TP ranks) is named by its parent, parents first.
+    for p in sorted(under):
+        if names[p] in ("python", "python3") and parents[p] in names:
+            names[p] = f"{names[parents[p]]} child {p}"
+    return {"label": label, "t": time.time(), "cpu_s": {names[p]: round(cpu[p], 3) for p in sorted(under)}}
 
 
 def summary(cpu_path: str, serve_path: str) -> None:

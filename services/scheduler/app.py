@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
 import os
 import signal
@@ -21,6 +22,7 @@ from kubesgl.service.telemetry.scheduler import SchedulerTelemetry
 from kubesgl.service.telemetry.stats_log import StatsLog
 from kubesgl.service.telemetry.tracing import Tracing
 from kubesgl.services.scheduler.engine_loop import EngineLoop
+from kubesgl.services.scheduler.engine_process import EngineProcess
 from kubesgl.services.scheduler.service import SchedulerService
 from kubesgl.values.outputs import ModelInfo
 from nats.aio.client import Client
@@ -68,8 +70,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--gil-switch-interval-ms",
         type=_positive_float,
         default=None,
-        help="Python's thread switch interval (sys.setswitchinterval; default Python's 5 ms): how long the engine "
-        "thread may wait for the GIL while the bus thread runs Python code",
+        help="Python's thread switch interval (sys.setswitchinterval; default Python's 5 ms) of this process: with "
+        "--no-engine-process, how long the engine thread may wait for the GIL while the bus thread runs Python code",
+    )
+    parser.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the engine in a process of its own, the NATS bus work in this one (no GIL shared between "
+        "them); --no-engine-process runs both in one process, the engine on a thread (for debugging)",
     )
     parser.add_argument(
         "--enable-mixed-chunk",
@@ -241,19 +250,19 @@ def main(args: argparse.Namespace) -> int:
         stats_log = StatsLog(args.stats_log_interval, info.page_size)
         return SchedulerTelemetry(metrics, tracing, instance_id, model, stats_log=stats_log)
 
-    def make_engine() -> Engine:
-        return Engine(config)
+    make_engine = functools.partial(Engine, config)  # picklable: the engine process builds it
 
     async def build(nc: Client, stop: asyncio.Event) -> SchedulerService:
-        def make_loop(service: SchedulerService) -> EngineLoop:
-            return EngineLoop(
-                make_engine,
-                make_telemetry,
+        def make_loop(service: SchedulerService) -> EngineLoop | EngineProcess:
+            callbacks = (
                 service.engine_loaded,
                 service.engine_outputs,
                 service.engine_failed,
                 service.engine_kv_events,
             )
+            if args.engine_process:
+                return EngineProcess(make_engine, make_telemetry, *callbacks, log_level=args.log_level)
+            return EngineLoop(make_engine, make_telemetry, *callbacks)
 
         return SchedulerService(
             nc,

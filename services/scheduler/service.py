@@ -48,6 +48,7 @@ from kubesgl.service.nats_conn import close
 from kubesgl.service.telemetry.scheduler import SchedulerTelemetry
 from kubesgl.services.scheduler.delivery import deliver
 from kubesgl.services.scheduler.engine_loop import AbortRequest, AddRequest, EngineLoop, QueryStats
+from kubesgl.services.scheduler.engine_process import EngineProcess
 from kubesgl.services.scheduler.kv_publisher import KvPublisher
 from kubesgl.services.scheduler.streams import RequestStream
 from kubesgl.values.outputs import EngineStats, ModelInfo, RequestOutput
@@ -70,7 +71,7 @@ class SchedulerService:
         model: str,
         max_running_requests: int,
         max_queued_requests: int,
-        make_engine_loop: Callable[[SchedulerService], EngineLoop],
+        make_engine_loop: Callable[[SchedulerService], EngineLoop | EngineProcess],
         stop: asyncio.Event,
         detok_timeout_s: float = 1.0,
         delivery_give_up_s: float = 30.0,

@@ -352,3 +352,32 @@ async def test_sigterm_drains_a_tp2_scheduler_while_another_serves(
     _, alive = psutil.wait_procs(ranks, timeout=10)
     assert alive == []  # the TP rank stopped with its scheduler
     assert len((await client.result(elsewhere.rid)).token_ids) == GREEDY.max_tokens
+
+
+async def test_a_dead_engine_process_takes_its_scheduler_down_clearly(
+    client: BusClient, mesh: Stack, tokenizer: ModelTokenizer
+) -> None:
+    """The engine runs in a child process of the scheduler (--engine-process, the default): SIGKILL it and the
+    service process fails its in-flight request, says why in its log, and exits 1 (no half-alive pod)."""
+    doomed = mesh.spawn("scheduler")
+    mesh.wait_ready(180, [doomed.name])
+    assert doomed.instance_id is not None
+    children = psutil.Process(doomed.proc.pid).children()
+    engine = [c for c in children if "resource_tracker" not in " ".join(c.cmdline())]
+    assert len(engine) == 1 and "spawn_main" in " ".join(engine[0].cmdline())
+    req = p.GenerateRequest(
+        "engine-dies",
+        client.gateway_id,
+        tokenizer.encode(PROMPTS[0]),
+        SamplingParams(max_tokens=30000, temperature=0.0, ignore_eos=True),
+        time.time() + 60,
+    )
+    client.streams.setdefault(req.rid, Stream())
+    msg = await client.nc.request(p.generate_subject(doomed.instance_id), req.to_bytes(), timeout=10)
+    assert isinstance(p.decode(msg.data, p.Admitted, p.ErrorReply), p.Admitted)
+    await wait_until_async(lambda: client.streams[req.rid].deltas, "the request streams", 60)
+    engine[0].kill()
+    failed = await client.result(req.rid, 30)
+    assert failed.last.error is not None and "engine failed" in failed.last.error.message
+    assert await asyncio.to_thread(doomed.proc.wait, 30) == 1
+    assert f"the engine process (pid {engine[0].pid}) exited with code -9" in doomed.log_tail()

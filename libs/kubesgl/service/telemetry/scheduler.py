@@ -88,11 +88,17 @@ class SchedulerTelemetry:
         """The engine is about to run a step (its start is when this step's prefills began)."""
         self._step_start_ns = time.time_ns()
 
-    def on_outputs(self, outputs: Iterable[RequestOutput]) -> dict[str, str | None]:
-        """Records one step's outputs; returns each request's `traceparent` for the TokenDelta it causes."""
+    def on_outputs(
+        self, outputs: Iterable[RequestOutput], step_start_ns: int | None = None
+    ) -> dict[str, str | None]:
+        """Records one step's outputs; returns each request's `traceparent` for the TokenDelta it causes.
+        `step_start_ns` is when the step began, where the engine runs in another process (engine_process.py)
+        and on_step_start is not called here."""
         now_s, now_ns = self._clock(), time.time_ns()
         parents: dict[str, str | None] = {}
         with self._lock:
+            if step_start_ns is not None:
+                self._step_start_ns = step_start_ns
             for out in outputs:
                 t = self._requests.get(out.rid)
                 if t is None:
