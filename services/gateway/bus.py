@@ -32,6 +32,7 @@ from kubesgl.protocol import (
 )
 from kubesgl.routing import SchedulerRegistry
 from kubesgl.service.telemetry.metrics import NatsMetrics
+from kubesgl.services.gateway.migration import MigrationPolicy
 from kubesgl.services.gateway.request_stream import RequestStream
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -67,6 +68,7 @@ class GatewayBus:
         self._tasks: set[asyncio.Task[None]] = set()
         self._connected_since = time.monotonic()
         self._watch: asyncio.Task[None] | None = None
+        self.migration = MigrationPolicy()  # what a choice whose instance died may do (app.py sets it)
 
     async def start(self) -> None:
         self._subs = [

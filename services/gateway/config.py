@@ -30,6 +30,7 @@ class GatewayConfig:
     tokenize_attempt_timeout_s: float = 5.0
     drain_timeout_s: float = 30.0
     log_level: str = "info"
+    max_migrations: int = 3  # per choice: re-admissions after its scheduler instance died (0 = none)
 
 
 def default_gateway_id() -> str:
@@ -89,6 +90,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=30.0,
         help="on SIGTERM, seconds to let in-flight requests finish",
     )
+    parser.add_argument(
+        "--max-migrations",
+        type=int,
+        default=3,
+        help="times one choice may move to another scheduler instance when its own dies mid-stream (0: it fails)",
+    )
     parser.add_argument("--log-level", default="info")
 
 
@@ -107,4 +114,5 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         tokenize_attempt_timeout_s=args.tokenize_attempt_timeout,
         drain_timeout_s=args.drain_timeout,
         log_level=args.log_level,
+        max_migrations=args.max_migrations,
     )
