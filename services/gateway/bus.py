@@ -91,11 +91,20 @@ class GatewayBus:
     def connected(self) -> bool:
         return self.nc.is_connected
 
-    def scheduler_gone(self, instance_id: str) -> bool:
-        """The instance stopped heartbeating while this gateway could hear it (a NATS outage is not its death)."""
-        if not self.connected or time.monotonic() - self._connected_since <= self.registry.expiry_s:
+    def scheduler_gone(self, instance_id: str, epoch: str = "") -> bool:
+        """The instance stopped heartbeating while this gateway could hear it (a NATS outage is not its death),
+        or, given the `epoch` it had, heartbeats with another one: a new process under the same id (a restarted
+        pod), which knows nothing of the old one's requests."""
+        if not self.connected:
             return False
-        return all(hb.instance_id != instance_id for hb in self.registry.live())
+        hb = next((hb for hb in self.registry.live() if hb.instance_id == instance_id), None)
+        if hb is not None:
+            return bool(epoch and hb.kv_epoch and hb.kv_epoch != epoch)
+        return time.monotonic() - self._connected_since > self.registry.expiry_s
+
+    def instance_epoch(self, instance_id: str) -> str:
+        """The instance's process epoch (Heartbeat.kv_epoch) as last heard; "" when unknown or not published."""
+        return next((hb.kv_epoch for hb in self.registry.live() if hb.instance_id == instance_id), "")
 
     def open(self, rid: str) -> RequestStream:
         """Registers the inbox before admission: the first delta can beat the Admitted reply."""

@@ -65,10 +65,14 @@ class ChoiceGeneration:
     _tokens: list[int] = field(default_factory=list, repr=False)  # streamed so far: what a migration resumes
     _prompt_logprobs_sent: bool = field(default=False, repr=False)
     _migrations: int = field(default=0, repr=False)
+    _epoch: str = field(
+        default="", repr=False
+    )  # the admitting instance's process epoch (its restart is its death)
 
     async def admit(self) -> Admitted:
         self._stream = self.bus.open(self.request.rid)
         self.admitted = await self.bus.admit(self._stream, self.request, self.traceparent)
+        self._epoch = self.bus.instance_epoch(self.admitted.instance_id)
         return self.admitted
 
     def close(self) -> None:
@@ -167,7 +171,7 @@ class ChoiceGeneration:
     def _instance_gone(self) -> bool:
         assert self._stream is not None
         instance = self._stream.instance_id
-        return instance is not None and self.bus.scheduler_gone(instance)
+        return instance is not None and self.bus.scheduler_gone(instance, self._epoch)
 
     async def _migrate(self) -> None:
         """The admitting instance died: the choice is admitted again elsewhere as its prompt plus the tokens
