@@ -75,6 +75,7 @@ class ServiceProcess:
     ready_url: str
     log_path: Path | None
     instance_id: str | None = None  # schedulers only
+    extra_args: tuple[str, ...] = ()  # flags it was spawned with beyond the stack's (a restart keeps them)
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=_TAIL_LINES))  # output, when not to a file
     _pump: threading.Thread | None = None
 
@@ -172,6 +173,16 @@ class Stack:
         """Starts one more replica of `kind` (also used by tests to scale up mid-run)."""
         index = self._counts[kind]
         self._counts[kind] += 1
+        return self._start(kind, index, extra_args)
+
+    def restart(self, name: str) -> ServiceProcess:
+        """Starts the exited service `name` again, as a pod's container restarts: same name, ports, flags and
+        (a scheduler) instance id."""
+        old = self.services[name]
+        assert old.proc.poll() is not None, f"{name} is still running"
+        return self._start(old.kind, int(name.rsplit("-", 1)[1]), old.extra_args)
+
+    def _start(self, kind: str, index: int, extra_args: tuple[str, ...]) -> ServiceProcess:
         name = f"{kind}-{index}"
         c = self.config
         args = [
@@ -226,7 +237,7 @@ class Stack:
                     out.close()
         finally:
             sock.close()  # the child holds it now: once it exits, the port refuses connections
-        svc = ServiceProcess(name, kind, proc, ready_url, log_path, instance_id)
+        svc = ServiceProcess(name, kind, proc, ready_url, log_path, instance_id, extra_args)
         if log_path is None:
             svc.relay_output(width=max(len(n) for n in [*self._ports, name]))
         self.services[name] = svc
@@ -538,14 +549,66 @@ def _wait_ready(stack: Stack, timeout_s: float, stopping: list[int], make: MakeP
 
 
 def _supervise(stack: Stack, stopping: list[int], make: MakeParent) -> int:
-    """Waits for Ctrl-C/SIGTERM (to us, or to the make that runs us); a service that dies on its own takes
-    the stack down (exit 1)."""
+    """Waits for Ctrl-C/SIGTERM (to us, or to the make that runs us). A service that dies on its own is started
+    again, as Kubernetes restarts a pod's container, after a backoff that doubles with each death (1 s up to
+    30 s) and starts over once it has run for a minute; the others keep serving meanwhile."""
+    restarts = _Restarts()
     while not _stopping(stopping, make):
-        dead = stack.dead()
-        if dead:
-            for s in dead:
-                print(f"kubesgl: {s.name} exited with {s.proc.returncode}", file=sys.stderr)
-            return 1
+        for s in stack.dead():
+            if s.name not in restarts.due:
+                delay = restarts.died(s.name)
+                print(
+                    f"kubesgl: {s.name} exited with {s.proc.returncode}; restarting it in {delay:g} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        for name in restarts.ready_to_start():
+            if not stopping:
+                restarts.started(name, stack.restart(name))
+        for name in restarts.came_back():
+            print(f"kubesgl: {name} is back (restart {restarts.count[name]})", file=sys.stderr, flush=True)
         with contextlib.suppress(InterruptedError):
             time.sleep(0.2)
     return 0
+
+
+_RESTART_BACKOFF_S = (1.0, 30.0)  # first delay, cap
+_RESTART_RESET_S = 60.0  # a service up this long starts its backoff over
+
+
+class _Restarts:
+    """Which services are waiting to be started again, when, and which restarted ones answer /ready."""
+
+    def __init__(self) -> None:
+        self.due: dict[str, float] = {}  # name -> monotonic time to start it
+        self.count: dict[str, int] = {}
+        self._delay: dict[str, float] = {}
+        self._since: dict[str, float] = {}  # name -> when its current process started
+        self._coming: dict[str, ServiceProcess] = {}  # restarted, not ready yet
+
+    def died(self, name: str) -> float:
+        now = time.monotonic()
+        first, cap = _RESTART_BACKOFF_S
+        if now - self._since.get(name, now) >= _RESTART_RESET_S:
+            self._delay.pop(name, None)
+        delay = self._delay.get(name, first)
+        self._delay[name] = min(delay * 2, cap)
+        self.due[name] = now + delay
+        self._coming.pop(name, None)
+        return delay
+
+    def ready_to_start(self) -> list[str]:
+        now = time.monotonic()
+        return [n for n, at in self.due.items() if at <= now]
+
+    def started(self, name: str, svc: ServiceProcess) -> None:
+        del self.due[name]
+        self.count[name] = self.count.get(name, 0) + 1
+        self._since[name] = time.monotonic()
+        self._coming[name] = svc
+
+    def came_back(self) -> list[str]:
+        back = [n for n, svc in self._coming.items() if svc.proc.poll() is None and http_ok(svc.ready_url)]
+        for n in back:
+            del self._coming[n]
+        return back

@@ -355,17 +355,26 @@ class TokenizeRequest(Message):
     tools: tuple[JsonValue, ...] = ()
     tool_choice: JsonValue = None
     parallel_tool_calls: bool = True
+    # A resumed request (a migration: its scheduler died mid-stream): the output tokens the gateway already
+    # streamed. The prompt is made as the first time; the tokenizer passes these on (GenerateRequest.output_ids).
+    output_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
 class GenerateRequest(Message):
-    """tokenizer -> one scheduler instance: token ids ready to run."""
+    """tokenizer -> one scheduler instance: token ids ready to run.
+
+    `output_ids` non-empty makes it a resume admission: the request's first len(output_ids) output tokens
+    already exist (streamed by an instance that died, or produced by a prefill instance). The scheduler prefills
+    input_ids + output_ids and continues at that output position (Engine.add_request): max_tokens counts them,
+    they are not sent again, and usage counts them once."""
 
     rid: str
     gateway_id: str
     input_ids: list[int]
     sampling: SamplingParams
     deadline: float
+    output_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

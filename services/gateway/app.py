@@ -36,6 +36,7 @@ from kubesgl.services.gateway.guards import ApiKeyCheck, BodySizeLimit
 from kubesgl.services.gateway.http_protocol import TimedHttpProtocol
 from kubesgl.services.gateway.ops_routes import not_ready_reason
 from kubesgl.services.gateway.workers import WorkerBoard, supervise
+from kubesgl.services.gateway.migration import MigrationPolicy
 from starlette.exceptions import HTTPException
 
 log = logging.getLogger("kubesgl.gateway")
@@ -135,6 +136,7 @@ def build_app(config: GatewayConfig, board: WorkerBoard | None = None, index: in
         bus = GatewayBus(
             nc, config.gateway_id, SchedulerRegistry(), metrics.nats, config.tokenize_attempt_timeout_s
         )
+        bus.migration = MigrationPolicy(config.max_migrations, metrics.migrations, tracing)
         await bus.start()
         app.state.gateway = Gateway(config, bus, metrics, tracing)
         log.info("gateway %s serving on http://%s:%d", config.gateway_id, config.host, config.port)

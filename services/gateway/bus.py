@@ -32,6 +32,7 @@ from kubesgl.protocol import (
 )
 from kubesgl.routing import SchedulerRegistry
 from kubesgl.service.telemetry.metrics import NatsMetrics
+from kubesgl.services.gateway.migration import MigrationPolicy
 from kubesgl.services.gateway.request_stream import RequestStream
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -67,6 +68,7 @@ class GatewayBus:
         self._tasks: set[asyncio.Task[None]] = set()
         self._connected_since = time.monotonic()
         self._watch: asyncio.Task[None] | None = None
+        self.migration = MigrationPolicy()  # what a choice whose instance died may do (app.py sets it)
 
     async def start(self) -> None:
         self._subs = [
@@ -89,11 +91,20 @@ class GatewayBus:
     def connected(self) -> bool:
         return self.nc.is_connected
 
-    def scheduler_gone(self, instance_id: str) -> bool:
-        """The instance stopped heartbeating while this gateway could hear it (a NATS outage is not its death)."""
-        if not self.connected or time.monotonic() - self._connected_since <= self.registry.expiry_s:
+    def scheduler_gone(self, instance_id: str, epoch: str = "") -> bool:
+        """The instance stopped heartbeating while this gateway could hear it (a NATS outage is not its death),
+        or, given the `epoch` it had, heartbeats with another one: a new process under the same id (a restarted
+        pod), which knows nothing of the old one's requests."""
+        if not self.connected:
             return False
-        return all(hb.instance_id != instance_id for hb in self.registry.live())
+        hb = next((hb for hb in self.registry.live() if hb.instance_id == instance_id), None)
+        if hb is not None:
+            return bool(epoch and hb.kv_epoch and hb.kv_epoch != epoch)
+        return time.monotonic() - self._connected_since > self.registry.expiry_s
+
+    def instance_epoch(self, instance_id: str) -> str:
+        """The instance's process epoch (Heartbeat.kv_epoch) as last heard; "" when unknown or not published."""
+        return next((hb.kv_epoch for hb in self.registry.live() if hb.instance_id == instance_id), "")
 
     def open(self, rid: str) -> RequestStream:
         """Registers the inbox before admission: the first delta can beat the Admitted reply."""

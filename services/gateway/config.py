@@ -31,6 +31,7 @@ class GatewayConfig:
     drain_timeout_s: float = 30.0
     log_level: str = "info"
     workers: int = 1  # gateway processes on this port (services/gateway/workers.py)
+    max_migrations: int = 3  # per choice: re-admissions after its scheduler instance died (0 = none)
 
 
 def default_gateway_id() -> str:
@@ -90,6 +91,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=30.0,
         help="on SIGTERM, seconds to let in-flight requests finish",
     )
+    parser.add_argument(
+        "--max-migrations",
+        type=int,
+        default=3,
+        help="times one choice may move to another scheduler instance when its own dies mid-stream (0: it fails)",
+    )
     parser.add_argument("--log-level", default="info")
     parser.add_argument(
         "--workers",
@@ -122,4 +129,5 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         drain_timeout_s=args.drain_timeout,
         log_level=args.log_level,
         workers=args.workers,
+        max_migrations=args.max_migrations,
     )

@@ -12,6 +12,7 @@ from kubesgl.errors import DeadlineExceededError, KubesglError, ServiceUnavailab
 from kubesgl.openai_api.stop_strings import StopStringFilter
 from kubesgl.protocol import Admitted, FinishReason, TextDelta, TokenizeRequest, TokenLogprob
 from kubesgl.services.gateway.bus import GatewayBus
+from kubesgl.services.gateway.migration import resume_request
 from kubesgl.services.gateway.request_stream import RequestStream
 
 _POLL_S = 0.5
@@ -61,10 +62,17 @@ class ChoiceGeneration:
     admitted: Admitted | None = None
     _stream: RequestStream | None = field(default=None, repr=False)
     _finished: bool = field(default=False, repr=False)
+    _tokens: list[int] = field(default_factory=list, repr=False)  # streamed so far: what a migration resumes
+    _prompt_logprobs_sent: bool = field(default=False, repr=False)
+    _migrations: int = field(default=0, repr=False)
+    _epoch: str = field(
+        default="", repr=False
+    )  # the admitting instance's process epoch (its restart is its death)
 
     async def admit(self) -> Admitted:
         self._stream = self.bus.open(self.request.rid)
         self.admitted = await self.bus.admit(self._stream, self.request, self.traceparent)
+        self._epoch = self.bus.instance_epoch(self.admitted.instance_id)
         return self.admitted
 
     def close(self) -> None:
@@ -78,7 +86,7 @@ class ChoiceGeneration:
         was writing) gets every delta already here in one event: one SSE chunk, never an empty wait for more."""
         assert self._stream is not None, "admit() first"
         stop_filter: StopStringFilter[TokenLogprob] = StopStringFilter(self.stops)
-        tokens: list[int] = []
+        tokens = self._tokens
         last_output = time.monotonic()
         while True:
             # Checked before every wait, not only after a silent one: a stream whose deltas never pause
@@ -88,6 +96,10 @@ class ChoiceGeneration:
                 raise DeadlineExceededError("the request exceeded its deadline")
             delta = await self._stream.next(min(_POLL_S, left))
             if delta is None:
+                if self._instance_gone():
+                    await self._migrate()
+                    last_output = time.monotonic()
+                    continue
                 self._raise_if_stuck(last_output)
                 continue
             last_output = time.monotonic()
@@ -120,6 +132,7 @@ class ChoiceGeneration:
             delta.cached_tokens,
             delta.completion_tokens,
         )
+        self._prompt_logprobs_sent |= delta.prompt_logprobs is not None
         if self.echo and delta.prompt_logprobs is not None:  # the first delta carries the prompt
             self._echo(event, delta)
         elif want_logprobs:
@@ -152,13 +165,38 @@ class ChoiceGeneration:
         assert self._stream is not None
         if time.monotonic() - last_output > self.limits.inactivity_s:
             raise DeadlineExceededError(f"no output from the scheduler for {self.limits.inactivity_s:g} s")
-        instance = self._stream.instance_id
-        if instance is not None and self.bus.scheduler_gone(instance):
-            raise ServiceUnavailableError(
-                f"scheduler instance {instance} stopped responding; the request was lost"
-            )
         if self._stream.gap_age() > _GAP_TIMEOUT_S:
             raise ServiceUnavailableError("part of the output stream was lost in transit")
+
+    def _instance_gone(self) -> bool:
+        assert self._stream is not None
+        instance = self._stream.instance_id
+        return instance is not None and self.bus.scheduler_gone(instance, self._epoch)
+
+    async def _migrate(self) -> None:
+        """The admitting instance died: the choice is admitted again elsewhere as its prompt plus the tokens
+        streamed so far (migration.py), or, past its budget or if no instance takes it, fails clearly."""
+        assert self._stream is not None and self._stream.instance_id is not None
+        instance, policy = self._stream.instance_id, self.bus.migration
+        lost = f"scheduler instance {instance} stopped responding; the request was lost"
+        if self._migrations >= policy.max_migrations:
+            if policy.max_migrations:
+                policy.started(self.request.rid, instance, len(self._tokens), None).failed("budget")
+                lost += f" (it had moved {self._migrations} times already)"
+            raise ServiceUnavailableError(lost)
+        self._migrations += 1
+        migration = policy.started(self.request.rid, instance, len(self._tokens), self.traceparent)
+        self.bus.close(self._stream, abort=False)
+        self.bus.abort(self._stream.rid, instance)  # were it only cut off, it stops and frees its pages
+        self.request = resume_request(
+            self.request, self._migrations, self._tokens, self._prompt_logprobs_sent
+        )
+        try:
+            admitted = await self.admit()
+        except KubesglError as e:
+            migration.failed(str(e))
+            raise ServiceUnavailableError(f"{lost}; moving it to another instance failed: {e}") from e
+        migration.admitted(admitted.instance_id)
 
 
 def _joined(first: ChoiceEvent, then: ChoiceEvent) -> ChoiceEvent:

@@ -12,7 +12,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kubesgl.engine.engine import Engine
 from kubesgl.errors import KubesglError
@@ -33,6 +33,7 @@ class AddRequest:
     input_ids: list[int]
     params: SamplingParams
     done: Callable[[KubesglError | None], None]  # None = admitted
+    output_ids: list[int] = field(default_factory=list)  # a resume admission: output that already exists
 
 
 @dataclass(frozen=True)
@@ -146,7 +147,7 @@ class EngineLoop:
     def _apply(self, engine: Engine, command: Command) -> None:
         if isinstance(command, AddRequest):
             try:
-                engine.add_request(command.rid, command.input_ids, command.params)
+                engine.add_request(command.rid, command.input_ids, command.params, command.output_ids)
             except KubesglError as e:
                 command.done(e)
             else:

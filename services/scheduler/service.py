@@ -226,8 +226,11 @@ class SchedulerService:
             req.gateway_id,
             req.deadline,
             len(req.input_ids),
+            output_ids=list(req.output_ids),
             wants_logprobs=req.sampling.logprobs is not None,
             interval=self.stream_interval,
+            sent=len(req.output_ids),
+            resumed=len(req.output_ids),
         )
         # Registered before the engine sees the request, so its first outputs always find the stream.
         self._streams[req.rid] = stream
@@ -239,7 +242,7 @@ class SchedulerService:
             self._loop.call_soon_threadsafe(future.set_result, err)
 
         # The engine checks the sampling parameters (the second gate after the gateway's): a refusal is a 400.
-        self._engine.submit(AddRequest(req.rid, req.input_ids, req.sampling, done))
+        self._engine.submit(AddRequest(req.rid, req.input_ids, req.sampling, done, req.output_ids))
         try:
             err = await future
         finally:

@@ -32,6 +32,7 @@ class RequestStream:
     finish_reason: FinishReason | None = None
     traceparent: str | None = None
     sent: int = 0  # output tokens already put into a delta
+    resumed: int = 0  # output tokens that existed at admission (a resume): `logprobs` starts after them
     seq: int = 0  # seq of the next delta
     final_sent: bool = False
     abandoned: bool = False  # aborted, failed or timed out: nothing more goes to the gateway
@@ -71,7 +72,7 @@ class RequestStream:
             prompt_tokens=self.prompt_tokens,
             cached_tokens=self.cached_tokens,
             completion_tokens=len(self.output_ids),
-            logprobs=self.logprobs[self.sent :] if self.wants_logprobs else None,
+            logprobs=self.logprobs[self.sent - self.resumed :] if self.wants_logprobs else None,
             traceparent=self.traceparent,
             prompt_logprobs=self.prompt_logprobs,
         )

@@ -189,6 +189,7 @@ class TokenizerService:
             input_ids=ids,
             sampling=sampling,
             deadline=req.deadline,
+            output_ids=req.output_ids,
         )
         reply = await self._forward(gen, req.session_id, trace)
         if isinstance(reply, Admitted) and tool_format is not None:

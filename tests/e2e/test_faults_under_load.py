@@ -20,7 +20,7 @@ import pytest
 from conftest import TEST_SCHEDULER_ARGS, StackFactory
 from kubesgl import LLM, SamplingParams
 from kubesgl.launcher import Stack
-from kubesgl.protocol import HEARTBEAT_INTERVAL_S, SchedulerStats, stats_subject
+from kubesgl.protocol import SchedulerStats, stats_subject
 from support.steady_load import SteadyLoad, ensure_replicas, live
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -31,8 +31,6 @@ PROMPTS = [f"Request {i}: {topic}" for i, topic in enumerate(["the sea", "a fox"
 REPLICAS = {"tokenizer": 2, "detokenizer": 2, "scheduler": 2}
 WARM_COMPLETIONS = 8  # the load runs before the fault strikes
 AFTER_FAULT_S = 15.0
-# A vanished scheduler's requests end once the gateway misses 3 heartbeats; plus the gateway's 0.5 s poll.
-SCHEDULER_LOSS_BOUND_S = 3 * HEARTBEAT_INTERVAL_S + 5.0
 
 Fault = Callable[[Stack], Awaitable[dict[str, Any]]]
 Record = Callable[[str, dict[str, Any]], None]
@@ -170,17 +168,14 @@ async def test_sigterm_of_a_scheduler_under_load_drains_without_failures(mesh, e
     assert await asyncio.to_thread(info["proc"].wait, 30) == 0
 
 
-async def test_sigkill_of_a_scheduler_fails_only_its_requests_in_bounded_time(mesh, expected, record) -> None:
+async def test_sigkill_of_a_scheduler_under_load_migrates_its_requests(mesh, expected, record) -> None:
+    """The dead instance's in-flight requests move to the other one (request migration) and complete with the
+    offline LLM's text: nothing fails."""
     load, struck, info = await _under_load(mesh, expected, _kill_one("scheduler", signal.SIGKILL))
     counts = _check(load, struck)
-    failed = [o for o in load.outcomes if o.kind == "failed_clearly"]
-    slowest = max((o.ended - struck for o in failed), default=0.0)
-    extra = {"in_flight_at_kill": info["in_flight"], "last_failure_after_kill_s": round(slowest, 1)}
-    record("SIGKILL a scheduler (the other serves)", {**counts, **extra})
-    assert 0 < len(failed) <= info["in_flight"], (info["in_flight"], failed)
-    # Only requests the dead instance held fail, with a 503 naming it, within the heartbeat-expiry bound.
-    assert all(o.status == 503 and info["instance_id"] in o.detail for o in failed), failed[:5]
-    assert slowest <= SCHEDULER_LOSS_BOUND_S, failed
+    record("SIGKILL a scheduler (the other serves)", {**counts, "in_flight_at_kill": info["in_flight"]})
+    assert info["in_flight"] > 0
+    assert counts["failed_clearly"] == 0, [o for o in load.outcomes if o.kind == "failed_clearly"][:5]
 
 
 async def test_24_clients_disconnecting_mid_stream_return_every_page_pool_to_baseline(mesh) -> None:

@@ -1,6 +1,6 @@
 """`kubesgl up` as a user runs it: builds/loads the demo model, starts nats-server and every service as its
 own process on fixed ports, prints every service's metrics URL, serves OpenAI requests, refuses plainly to
-start a second time on the same ports, shows why a service died, and on Ctrl-C stops everything with no
+start a second time on the same ports, shows why a service died, restarts one that dies, and on Ctrl-C stops everything with no
 orphan process left."""
 
 from __future__ import annotations
@@ -357,14 +357,23 @@ def test_a_stream_still_open_when_the_gateway_drain_runs_out_ends_with_a_clear_5
             proc.wait()
 
 
-def test_up_takes_the_stack_down_when_a_service_dies(demo_model_dir: str) -> None:
+def test_up_restarts_a_service_that_dies_and_ctrl_c_still_stops_everything(demo_model_dir: str) -> None:
     proc = _up(demo_model_dir, free_port(), "--gateways", "0")
     try:
-        _wait_for(_lines(proc), "serving `demo`", 240)
-        children = psutil.Process(proc.pid).children(recursive=True)
-        scheduler = next(c for c in children if "scheduler" in c.cmdline())
+        lines = _lines(proc)
+        _wait_for(lines, "serving `demo`", 240)
+        scheduler = next(
+            c for c in psutil.Process(proc.pid).children(recursive=True) if "scheduler" in c.cmdline()
+        )
         scheduler.kill()
-        assert proc.wait(90) == 1
+        _wait_for(lines, "kubesgl: scheduler-0 exited with -9; restarting it in 1 s", 30)
+        _wait_for(lines, "kubesgl: scheduler-0 is back (restart 1)", 240)
+        children = psutil.Process(proc.pid).children(recursive=True)
+        again = [c for c in children if "scheduler" in c.cmdline()]
+        assert len(again) == 1 and again[0].pid != scheduler.pid
+        assert proc.poll() is None, "the stack kept running"
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(90) == 0
         _, alive = psutil.wait_procs(children, timeout=10)
         assert alive == [], f"orphans: {[p.cmdline() for p in alive]}"
     finally:

@@ -12,6 +12,7 @@ import concurrent.futures
 import logging
 import os
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch.distributed as dist
@@ -118,9 +119,12 @@ class Engine:
         )
 
     # -- the driver's interface ---------------------------------------------------------------------
-    def add_request(self, rid: str, input_ids: list[int], params: SamplingParams) -> None:
-        """The engine's gate: raises InvalidRequestError (or ContextLengthError) for a request it cannot run."""
-        self.scheduler.add_request(rid, input_ids, params)
+    def add_request(
+        self, rid: str, input_ids: list[int], params: SamplingParams, output_ids: Sequence[int] = ()
+    ) -> None:
+        """The engine's gate: raises InvalidRequestError (or ContextLengthError) for a request it cannot run.
+        `output_ids`: the request's first output tokens, already generated (a resumed request: Admission.add)."""
+        self.scheduler.add_request(rid, input_ids, params, output_ids)
 
     def abort(self, rid: str) -> None:
         self.scheduler.abort(rid)

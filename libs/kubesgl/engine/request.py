@@ -43,7 +43,10 @@ class Req:
     cached_tokens: int = -1  # prefix-cache hit at first admission (-1: not admitted yet)
     finish_reason: FinishReason | None = None
     emitted: int = 0  # output tokens already reported
-    logprobs: list[TokenLogprob] = field(default_factory=list)
+    resumed: int = (
+        0  # output tokens that existed at admission (a resumed request): no logprobs of theirs here
+    )
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of output_ids[resumed:]
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # gathered across prefill chunks
     prompt_logprobs_sent: bool = False
     # The next prompt position whose logprob no launched step computes yet (by the logits one position before

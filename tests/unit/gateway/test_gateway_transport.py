@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import nats
 import pytest
+from kubesgl.errors import ServiceUnavailableError
 from kubesgl.launcher import free_port
 from kubesgl.protocol import (
     ABORT,
@@ -147,11 +148,11 @@ def _delta(rid: str, instance: str, seq: int, text: str, finished: bool = False,
         instance_id=instance,
         seq=seq,
         text=text,
-        token_ids=[100 + seq],
+        token_ids=kw.pop("token_ids", [100 + seq]),  # type: ignore[arg-type]
         finished=finished,
         finish_reason=kw.pop("finish_reason", "length" if finished else None),  # type: ignore[arg-type]
         prompt_tokens=3,
-        completion_tokens=seq + 1,
+        completion_tokens=kw.pop("completion_tokens", seq + 1),  # type: ignore[arg-type]
         **kw,  # type: ignore[arg-type]
     )
 
@@ -315,6 +316,12 @@ async def test_refusals_keep_their_status_and_openai_body(gateway, mesh) -> None
 async def test_a_vanished_scheduler_ends_the_stream_with_a_clear_error(gateway, nats_url) -> None:
     mesh = await _mesh_for(gateway, nats_url, instance="sched-dies")
     mesh.plan = lambda req: [_delta(req.rid, mesh.instance, 0, "partial")]  # then silence
+    # No other instance takes the migrated request: it fails as before migration existed, naming the instance.
+    mesh.reply = lambda req: (
+        ErrorReply.from_error(req.rid, ServiceUnavailableError("no scheduler is available"))
+        if req.output_ids
+        else Admitted(rid=req.rid, instance_id=mesh.instance, prompt_tokens=3)
+    )
     try:
         async with (
             httpx.AsyncClient(base_url=gateway.url, timeout=30) as client,
@@ -334,6 +341,59 @@ async def test_a_vanished_scheduler_ends_the_stream_with_a_clear_error(gateway, 
         )
         assert time.monotonic() - started < 10
     finally:
+        await mesh.stop()
+
+
+async def test_a_vanished_schedulers_stream_moves_to_another_instance(gateway, nats_url) -> None:
+    """Migration: the request is admitted again with the token ids streamed so far, under a new rid, and the
+    client's stream goes on with the new instance's text, one id, usage from the new instance."""
+    mesh = await _mesh_for(gateway, nats_url, instance="sched-gone")
+    mesh.reply = lambda req: Admitted(
+        rid=req.rid, instance_id="sched-next" if req.output_ids else mesh.instance, prompt_tokens=3
+    )
+    mesh.plan = lambda req: (
+        [_delta(req.rid, "sched-next", 0, " world", finished=True, token_ids=[101], completion_tokens=2)]
+        if req.output_ids
+        else [_delta(req.rid, mesh.instance, 0, "Hello")]  # then silence
+    )
+
+    async def next_heartbeats() -> None:
+        while True:
+            hb = Heartbeat("sched-next", MODEL, 64, 1, 100, 0, 0, 100, 100, 8, False, time.time())
+            await mesh.nc.publish(HEARTBEAT, hb.to_bytes())
+            await asyncio.sleep(0.3)  # scenario timing: the second instance's heartbeat period
+
+    beating = asyncio.create_task(next_heartbeats())
+    try:
+        async with (
+            httpx.AsyncClient(base_url=gateway.url, timeout=30) as client,
+            client.stream(
+                "POST",
+                "/v1/chat/completions",
+                json=_chat(stream=True, stream_options={"include_usage": True}),
+            ) as s,
+        ):
+            lines = s.aiter_lines()
+            events = []
+            async for line in lines:
+                if line.startswith("data: "):
+                    events.append(json.loads(line[6:]))
+                if "Hello" in line:
+                    break
+            mesh.heartbeating = False
+            rest = [x async for x in lines if x.startswith("data: ") and x != "data: [DONE]"]
+            events += [json.loads(x[6:]) for x in rest]
+        assert not any("error" in e for e in events), events
+        text = "".join(c["delta"].get("content") or "" for e in events for c in e["choices"])
+        assert text == "Hello world"
+        assert len({e["id"] for e in events}) == 1
+        assert events[-1]["usage"]["completion_tokens"] == 2
+        first, resumed = mesh.requests[-2], mesh.requests[-1]
+        assert resumed.rid == f"{first.rid}~m1" and resumed.output_ids == [100]
+        assert (resumed.messages, resumed.sampling) == (first.messages, first.sampling)
+        assert [a.instance_id for a in mesh.aborted(first.rid)] == ["sched-gone"]
+    finally:
+        beating.cancel()
         await mesh.stop()
 
 

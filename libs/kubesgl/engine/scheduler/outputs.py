@@ -98,7 +98,7 @@ class Outputs:
 
     def _output(self, req: Req) -> RequestOutput:
         new = req.output_ids[req.emitted :]
-        lps = req.logprobs[req.emitted :] if req.params.logprobs is not None else None
+        lps = req.logprobs[req.emitted - req.resumed :] if req.params.logprobs is not None else None
         lp = req.params.logprobs
         prompt_lps = None
         if lp is not None and lp.prompt_start is not None and not req.prompt_logprobs_sent:

@@ -4,6 +4,7 @@ Pure bookkeeping; the runner does the math."""
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from concurrent.futures import Future
 
 from kubesgl.engine.grammar import EngineGrammars
@@ -50,8 +51,10 @@ class Scheduler:
         return self.memory.running
 
     # -- requests in and out -----------------------------------------------------------------------
-    def add_request(self, rid: str, input_ids: list[int], params: SamplingParams) -> None:
-        self.admission.add(rid, input_ids, params)
+    def add_request(
+        self, rid: str, input_ids: list[int], params: SamplingParams, output_ids: Sequence[int] = ()
+    ) -> None:
+        self.admission.add(rid, input_ids, params, output_ids)
 
     def abort(self, rid: str) -> None:
         req = self.reqs.get(rid)

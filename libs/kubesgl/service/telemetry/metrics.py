@@ -461,6 +461,7 @@ class GatewayMetrics:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.nats = NatsMetrics(registry, "gateway")
+        self.migrations = MigrationMetrics(registry)
         self._requests = Counter(
             "kubesgl_gateway_requests_total",
             "HTTP requests answered, by model, route and status code.",
@@ -509,6 +510,31 @@ class GatewayMetrics:
         client string would make label values unbounded); `endpoint` the route, e.g. "/v1/chat/completions";
         `start` the request's arrival (time.perf_counter(); default now)."""
         return GatewayRequestMetrics(self, model, endpoint, start)
+
+
+class MigrationMetrics:
+    """The gateway's request migrations (a choice moved off a dead scheduler instance): how many, how long."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._migrated = Counter(
+            "kubesgl_requests_migrated_total",
+            "Choices whose scheduler instance died mid-stream, re-admitted elsewhere with their output so far "
+            "(outcome migrated), or that could not be (outcome failed: budget spent, no instance admitted it).",
+            ["outcome"],
+            registry=registry,
+        )
+        self._seconds = Histogram(
+            "kubesgl_request_migration_duration_seconds",
+            "From the gateway declaring the instance dead to another instance admitting the resumed choice "
+            "(the pause the client sees is this plus the heartbeat expiry before it, and the re-prefill after).",
+            buckets=TTFT_BUCKETS,
+            registry=registry,
+        )
+
+    def on_migration(self, outcome: str, seconds: float) -> None:
+        self._migrated.labels(outcome).inc()
+        if outcome == "migrated":
+            self._seconds.observe(seconds)
 
 
 class GatewayRequestMetrics:
