@@ -37,11 +37,44 @@ class Admission:
         self._arrival = itertools.count()
         self._rng = random.Random(seed)
 
-    def add(self, rid: str, input_ids: list[int], params: SamplingParams) -> Req:
-        """Queues a request that passes every check; raises InvalidRequestError (ContextLengthError) otherwise."""
+    def add(self, rid: str, input_ids: list[int], params: SamplingParams, hand_off: bool = False) -> Req:
+        """Queues a request that passes every check; raises InvalidRequestError (ContextLengthError) otherwise.
+        `hand_off`: the prefill role's request, which leaves after its first token (disagg.py)."""
         self._check(rid, input_ids, params)
-        n, ctx = len(input_ids), self.limits.context_len
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        req = self._new_req(rid, input_ids, params, seed)
+        req.hand_off = hand_off
+        start = params.logprobs.prompt_start if params.logprobs is not None else None
+        if start == 0:
+            req.prompt_logprobs.append(TokenLogprob(input_ids[0], None))  # nothing before it to predict it
+        if start is not None and max(start, 1) < len(input_ids):
+            req.prompt_logprob_next = max(start, 1)
+        self._queue(req)
+        return req
+
+    def add_with_tokens(
+        self,
+        rid: str,
+        input_ids: list[int],
+        params: SamplingParams,
+        seed: int,
+        output_ids: list[int],
+        logprobs: list[TokenLogprob],
+        cached_tokens: int,
+    ) -> Req:
+        """Queues a request some instance already started: `output_ids` were generated (and reported) there,
+        the prompt's logprobs too. It is prefilled here from prompt + outputs, mostly from the prefix cache
+        where its KV was put first (disaggregation's decode role), and decodes on from there."""
+        self._check(rid, input_ids, params)
+        req = self._new_req(rid, input_ids, params, seed)
+        req.output_ids, req.logprobs = list(output_ids), list(logprobs)
+        req.emitted = len(output_ids)
+        req.prompt_logprobs_sent = True
+        req.cached_tokens = cached_tokens
+        self._queue(req)
+        return req
+
+    def _new_req(self, rid: str, input_ids: list[int], params: SamplingParams, seed: int) -> Req:
         # The one place an open-ended max_tokens gets its meaning: the server's default, else no cap but the
         # context (every request also stops where the context ends, so the budget is min(N, rest of context)).
         budget = params.max_tokens if params.max_tokens is not None else self.limits.default_max_tokens
@@ -51,20 +84,17 @@ class Admission:
             params=params,
             seed=seed,
             arrival=next(self._arrival),
-            max_new_tokens=budget if budget is not None else ctx - n,
+            max_new_tokens=budget if budget is not None else self.limits.context_len - len(input_ids),
         )
         if params.constraint is not None:
             assert self.grammars is not None
             req.grammar_future = self.grammars.submit(params.constraint)
             self._compiling.append(req)
-        start = params.logprobs.prompt_start if params.logprobs is not None else None
-        if start == 0:
-            req.prompt_logprobs.append(TokenLogprob(input_ids[0], None))  # nothing before it to predict it
-        if start is not None and max(start, 1) < n:
-            req.prompt_logprob_next = max(start, 1)
-        self.reqs[rid] = req
-        self.waiting.append(req)
         return req
+
+    def _queue(self, req: Req) -> None:
+        self.reqs[req.rid] = req
+        self.waiting.append(req)
 
     def _check(self, rid: str, input_ids: list[int], params: SamplingParams) -> None:
         params.validate()
@@ -124,6 +154,8 @@ class Admission:
             if err is None:
                 stops = (*self.limits.eos_token_ids, *req.params.stop_token_ids)
                 req.grammar = GrammarState(future.result(), stops)
+                for tok in req.output_ids:  # a request admitted with tokens already generated elsewhere
+                    req.grammar.accept(tok)
                 continue
             self.waiting.remove(req)
             req.error = err if isinstance(err, KubesglError) else InvalidRequestError(str(err))
