@@ -366,6 +366,9 @@ class GenerateRequest(Message):
     input_ids: list[int]
     sampling: SamplingParams
     deadline: float
+    # Disaggregation: the prefill instance the router chose for this request's prompt ("" for none: the
+    # receiving instance prefills it itself).
+    prefill_instance: str = ""
 
 
 @dataclass
@@ -422,6 +425,7 @@ class Heartbeat(Message):
     kv_block_size: int = 0
     kv_epoch: str = ""
     kv_seq: int = 0
+    role: str = "both"  # --disaggregation-mode: prefill | decode | both (engine/scheduler/disagg.py)
 
 
 @dataclass

@@ -14,6 +14,7 @@ import sys
 from kubesgl.engine.config import EngineConfig
 from kubesgl.engine.distributed import local_ranks, run_node_ranks
 from kubesgl.engine.engine import Engine
+from kubesgl.engine.scheduler.disagg import DisaggregationMode
 from kubesgl.service.bus_service import add_service_arguments, run_bus_service
 from kubesgl.service.lifecycle import configure_logging
 from kubesgl.service.telemetry.metrics import SchedulerMetrics, new_registry
@@ -61,6 +62,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="Python's thread switch interval (sys.setswitchinterval; default Python's 5 ms): how long the engine "
         "thread may wait for the GIL while the bus thread runs Python code",
+    )
+    parser.add_argument(
+        "--disaggregation-mode",
+        choices=[m.value for m in DisaggregationMode],
+        default=DisaggregationMode.BOTH.value,
+        help="prefill/decode disaggregation role (SGLang's flag): prefill computes prompts for decode "
+        "instances, decode owns the streams; both (default) serves whole requests. Advertised in heartbeats",
     )
     parser.add_argument(
         "--enable-mixed-chunk",
@@ -256,6 +264,7 @@ def main(args: argparse.Namespace) -> int:
             detok_batch_size=args.detok_batch_size,
             stream_interval=args.stream_interval,
             kv_event_block_size=config.kv_event_block_size,
+            role=args.disaggregation_mode,
         )
 
     try:

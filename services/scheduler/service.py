@@ -77,7 +77,9 @@ class SchedulerService:
         kv_event_block_size: int = 0,
         detok_batch_size: int = 64,
         stream_interval: int = 1,
+        role: str = "both",  # --disaggregation-mode, advertised in heartbeats
     ) -> None:
+        self.role = role
         if detok_batch_size < 1:
             raise ValueError(f"detok_batch_size must be >= 1, got {detok_batch_size}")
         if stream_interval < 1:
@@ -430,6 +432,7 @@ class SchedulerService:
             kv_block_size=self._kv.block_size if self._kv else 0,
             kv_epoch=self._kv.epoch if self._kv else "",
             kv_seq=self._kv.seq if self._kv else 0,
+            role=self.role,
         )
         try:
             await self.nc.publish(HEARTBEAT, hb.to_bytes())
