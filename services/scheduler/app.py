@@ -71,6 +71,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "instances, decode owns the streams; both (default) serves whole requests. Advertised in heartbeats",
     )
     parser.add_argument(
+        "--disaggregation-timeout",
+        type=_positive_float,
+        default=30.0,
+        help="seconds a decode instance waits for a prompt's prefill, or its KV pull, before prefilling it "
+        "itself (a prefill instance unlocks a handoff's pages after as long)",
+    )
+    parser.add_argument(
         "--enable-mixed-chunk",
         action=argparse.BooleanOptionalAction,
         default=d.enable_mixed_chunk,
@@ -250,6 +257,7 @@ def main(args: argparse.Namespace) -> int:
                 service.engine_outputs,
                 service.engine_failed,
                 service.engine_kv_events,
+                hook=service.pd,
             )
 
         return SchedulerService(
@@ -265,6 +273,7 @@ def main(args: argparse.Namespace) -> int:
             stream_interval=args.stream_interval,
             kv_event_block_size=config.kv_event_block_size,
             role=args.disaggregation_mode,
+            handoff_timeout_s=args.disaggregation_timeout,
         )
 
     try:

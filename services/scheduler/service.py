@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable
 from itertools import pairwise
 
 import nats.errors
+from kubesgl.engine.scheduler.disagg import DisaggregationMode
 from kubesgl.errors import DeadlineExceededError, InvalidRequestError, KubesglError, ServiceUnavailableError
 from kubesgl.protocol import (
     ABORT,
@@ -49,6 +50,7 @@ from kubesgl.service.telemetry.scheduler import SchedulerTelemetry
 from kubesgl.services.scheduler.delivery import deliver
 from kubesgl.services.scheduler.engine_loop import AbortRequest, AddRequest, EngineLoop, QueryStats
 from kubesgl.services.scheduler.kv_publisher import KvPublisher
+from kubesgl.services.scheduler.pd import PdHook
 from kubesgl.services.scheduler.streams import RequestStream
 from kubesgl.values.outputs import EngineStats, ModelInfo, RequestOutput
 from nats.aio.client import Client
@@ -78,6 +80,7 @@ class SchedulerService:
         detok_batch_size: int = 64,
         stream_interval: int = 1,
         role: str = "both",  # --disaggregation-mode, advertised in heartbeats
+        handoff_timeout_s: float = 30.0,
     ) -> None:
         self.role = role
         if detok_batch_size < 1:
@@ -96,7 +99,14 @@ class SchedulerService:
         self.exit_code = 0
         self._stop = stop
         self._loop = asyncio.get_running_loop()
+        self._tasks = TaskGroup()
+        self.pd: PdHook | None = None
+        mode = DisaggregationMode(role)
+        if mode is not DisaggregationMode.BOTH:
+            self.pd = PdHook(nc, instance_id, mode, self._loop, self._tasks, handoff_timeout_s)
         self._engine = make_engine_loop(self)
+        if self.pd is not None:
+            self.pd.submit = self._engine.submit
         self._info: ModelInfo | None = None
         self._loaded = asyncio.Event()
         self._heartbeat_sent = False
@@ -107,7 +117,6 @@ class SchedulerService:
         self._aborted: OrderedDict[str, None] = OrderedDict()  # aborts of rids not (yet) seen here
         self._in_flight: set[str] = set()  # rids whose latest delta is in a batch not acked yet
         self._deliveries: set[asyncio.Task[None]] = set()
-        self._tasks = TaskGroup()
         self._subs: list[Subscription] = []
         self._heartbeat_task: asyncio.Task[None] | None = None
         self._kv = (
@@ -146,6 +155,8 @@ class SchedulerService:
         ]
         if self._kv is not None:
             await self._kv.start()
+        if self.pd is not None:
+            await self.pd.start()
         self._heartbeat_task = self._loop.create_task(self._heartbeats())
 
     def nats_reconnected(self) -> None:
@@ -240,7 +251,10 @@ class SchedulerService:
             self._loop.call_soon_threadsafe(future.set_result, err)
 
         # The engine checks the sampling parameters (the second gate after the gateway's): a refusal is a 400.
-        self._engine.submit(AddRequest(req.rid, req.input_ids, req.sampling, done))
+        if self.pd is not None and req.prefill_instance and self.role == "decode":
+            self._engine.submit(self.pd.admit(req, done))
+        else:
+            self._engine.submit(AddRequest(req.rid, req.input_ids, req.sampling, done))
         try:
             err = await future
         finally:

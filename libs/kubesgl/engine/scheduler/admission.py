@@ -40,7 +40,7 @@ class Admission:
     def add(self, rid: str, input_ids: list[int], params: SamplingParams, hand_off: bool = False) -> Req:
         """Queues a request that passes every check; raises InvalidRequestError (ContextLengthError) otherwise.
         `hand_off`: the prefill role's request, which leaves after its first token (disagg.py)."""
-        self._check(rid, input_ids, params)
+        self.check(rid, input_ids, params)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         req = self._new_req(rid, input_ids, params, seed)
         req.hand_off = hand_off
@@ -65,7 +65,7 @@ class Admission:
         """Queues a request some instance already started: `output_ids` were generated (and reported) there,
         the prompt's logprobs too. It is prefilled here from prompt + outputs, mostly from the prefix cache
         where its KV was put first (disaggregation's decode role), and decodes on from there."""
-        self._check(rid, input_ids, params)
+        self.check(rid, input_ids, params)
         req = self._new_req(rid, input_ids, params, seed)
         req.output_ids, req.logprobs = list(output_ids), list(logprobs)
         req.emitted = len(output_ids)
@@ -96,7 +96,8 @@ class Admission:
         self.reqs[req.rid] = req
         self.waiting.append(req)
 
-    def _check(self, rid: str, input_ids: list[int], params: SamplingParams) -> None:
+    def check(self, rid: str, input_ids: list[int], params: SamplingParams) -> None:
+        """What `add` checks before it queues (a decode instance checks a request before asking for its prefill)."""
         params.validate()
         if rid in self.reqs:
             raise InvalidRequestError(f"request id {rid!r} is already in use", param="rid")

@@ -170,6 +170,9 @@ class DecodeRole:
     def busy(self) -> bool:
         return bool(self._pulls)
 
+    def pulling(self, rid: str) -> bool:
+        return rid in self._pulls
+
     def _cache(self, pull: _Pull) -> None:
         """The pulled pages join the prefix cache under the prompt's tokens (copies of pages it already has
         go back to the pool), locked until the request is admitted."""
