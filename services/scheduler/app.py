@@ -17,11 +17,12 @@ from kubesgl.engine.engine import Engine
 from kubesgl.engine.scheduler.disagg import DisaggregationMode
 from kubesgl.service.bus_service import add_service_arguments, run_bus_service
 from kubesgl.service.lifecycle import configure_logging
-from kubesgl.service.telemetry.metrics import SchedulerMetrics, new_registry
+from kubesgl.service.telemetry.metrics import DisaggregationMetrics, SchedulerMetrics, new_registry
 from kubesgl.service.telemetry.scheduler import SchedulerTelemetry
 from kubesgl.service.telemetry.stats_log import StatsLog
 from kubesgl.service.telemetry.tracing import Tracing
 from kubesgl.services.scheduler.engine_loop import EngineLoop
+from kubesgl.services.scheduler.pd import PdHook
 from kubesgl.services.scheduler.service import SchedulerService
 from kubesgl.values.outputs import ModelInfo
 from nats.aio.client import Client
@@ -249,6 +250,11 @@ def main(args: argparse.Namespace) -> int:
         return Engine(config)
 
     async def build(nc: Client, stop: asyncio.Event) -> SchedulerService:
+        mode = DisaggregationMode(args.disaggregation_mode)
+        pd = None
+        if mode is not DisaggregationMode.BOTH:
+            pd = PdHook(nc, instance_id, mode, args.disaggregation_timeout, DisaggregationMetrics(registry))
+
         def make_loop(service: SchedulerService) -> EngineLoop:
             return EngineLoop(
                 make_engine,
@@ -272,8 +278,7 @@ def main(args: argparse.Namespace) -> int:
             detok_batch_size=args.detok_batch_size,
             stream_interval=args.stream_interval,
             kv_event_block_size=config.kv_event_block_size,
-            role=args.disaggregation_mode,
-            handoff_timeout_s=args.disaggregation_timeout,
+            pd=pd,
         )
 
     try:

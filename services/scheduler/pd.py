@@ -19,7 +19,13 @@ from dataclasses import dataclass
 
 import nats.errors
 from kubesgl.engine.engine import Engine
-from kubesgl.engine.scheduler.disagg import DecodeRole, DisaggregationMode, KvHandoff, PrefillRole
+from kubesgl.engine.scheduler.disagg import (
+    DecodeRole,
+    DisaggregationMode,
+    KvHandoff,
+    PrefillRole,
+    TransferCounters,
+)
 from kubesgl.errors import KubesglError
 from kubesgl.kv.kv_transfer import KvTransferAgent
 from kubesgl.protocol import (
@@ -34,6 +40,7 @@ from kubesgl.protocol import (
     prefill_subject,
 )
 from kubesgl.service.lifecycle import TaskGroup
+from kubesgl.service.telemetry.metrics import DisaggregationMetrics
 from kubesgl.services.scheduler.engine_loop import Command, RunOnEngine
 from kubesgl.values.outputs import RequestOutput
 from kubesgl.values.sampling import SamplingParams
@@ -57,13 +64,14 @@ class PdHook:
         nc: Client,
         instance_id: str,
         mode: DisaggregationMode,
-        loop: asyncio.AbstractEventLoop,
-        tasks: TaskGroup,
         handoff_timeout_s: float,
+        metrics: DisaggregationMetrics,
     ) -> None:
         self.nc, self.instance_id, self.mode = nc, instance_id, mode
-        self._loop, self._tasks = loop, tasks
+        self._loop, self._tasks = asyncio.get_running_loop(), TaskGroup()
         self.handoff_timeout_s = handoff_timeout_s
+        self.metrics = metrics
+        self._counted = TransferCounters()  # the decode role's counters as last put in the metrics
         self.submit: Callable[[Command], None] = lambda c: None  # the engine loop's, set by the service
         # Engine thread only, from here on.
         self._prefill: PrefillRole | None = None
@@ -143,7 +151,21 @@ class PdHook:
             ask = self._asked.pop(rid)
             log.warning("no prefill of %s from %s in time: prefilling it here", rid, ask.prefill_instance)
             self._decode.prefill_here(rid, ask.input_ids, ask.params)
+            self._counted.fallbacks += 1
+            self.metrics.fallbacks.labels(reason="no_prefill").inc()
+        self._count(self._decode.counters)
         return outputs
+
+    def _count(self, c: TransferCounters) -> None:
+        """The decode role's counters since the last call, into the metrics."""
+        seen = self._counted
+        self.metrics.transfer_bytes.inc(c.transferred_bytes - seen.transferred_bytes)
+        if c.fallbacks > seen.fallbacks:
+            self.metrics.fallbacks.labels(reason="transfer").inc(c.fallbacks - seen.fallbacks)
+        for s in c.latencies_s:
+            self.metrics.transfer_seconds.observe(s)
+        c.latencies_s.clear()  # observed: the role's list only holds those since the last call
+        self._counted = TransferCounters(c.transfers, c.transferred_bytes, c.fallbacks)
 
     def _after_prefill_step(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         assert self._prefill is not None
@@ -155,6 +177,7 @@ class PdHook:
             )  # fmt: skip
             self._publish(handoff_subject(self._decode_of.pop(out.rid)), done)
         for h in self._prefill.take_handoffs():
+            self.metrics.handoffs.inc()
             o = h.output
             done = PrefillDone(
                 h.rid, h.seed, o.new_token_ids, o.cached_tokens, h.num_pages, h.agent_metadata, h.descs,

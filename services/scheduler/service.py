@@ -79,10 +79,9 @@ class SchedulerService:
         kv_event_block_size: int = 0,
         detok_batch_size: int = 64,
         stream_interval: int = 1,
-        role: str = "both",  # --disaggregation-mode, advertised in heartbeats
-        handoff_timeout_s: float = 30.0,
+        pd: PdHook | None = None,  # a prefill or decode role (--disaggregation-mode); None: both
     ) -> None:
-        self.role = role
+        self.pd = pd
         if detok_batch_size < 1:
             raise ValueError(f"detok_batch_size must be >= 1, got {detok_batch_size}")
         if stream_interval < 1:
@@ -100,10 +99,6 @@ class SchedulerService:
         self._stop = stop
         self._loop = asyncio.get_running_loop()
         self._tasks = TaskGroup()
-        self.pd: PdHook | None = None
-        mode = DisaggregationMode(role)
-        if mode is not DisaggregationMode.BOTH:
-            self.pd = PdHook(nc, instance_id, mode, self._loop, self._tasks, handoff_timeout_s)
         self._engine = make_engine_loop(self)
         if self.pd is not None:
             self.pd.submit = self._engine.submit
@@ -251,7 +246,7 @@ class SchedulerService:
             self._loop.call_soon_threadsafe(future.set_result, err)
 
         # The engine checks the sampling parameters (the second gate after the gateway's): a refusal is a 400.
-        if self.pd is not None and req.prefill_instance and self.role == "decode":
+        if self.pd is not None and req.prefill_instance and self.pd.mode is DisaggregationMode.DECODE:
             self._engine.submit(self.pd.admit(req, done))
         else:
             self._engine.submit(AddRequest(req.rid, req.input_ids, req.sampling, done))
@@ -446,7 +441,7 @@ class SchedulerService:
             kv_block_size=self._kv.block_size if self._kv else 0,
             kv_epoch=self._kv.epoch if self._kv else "",
             kv_seq=self._kv.seq if self._kv else 0,
-            role=self.role,
+            role=self.pd.mode.value if self.pd is not None else DisaggregationMode.BOTH.value,
         )
         try:
             await self.nc.publish(HEARTBEAT, hb.to_bytes())
