@@ -72,6 +72,8 @@ class StepHook(Protocol):
     @property
     def busy(self) -> bool: ...  # work pending outside the engine (KV pulls): the loop keeps turning
 
+    def loaded(self, engine: Engine) -> None: ...  # before the instance announces itself
+
     def after_step(self, engine: Engine, outputs: list[RequestOutput]) -> list[RequestOutput]: ...
 
     def abort(self, engine: Engine, rid: str) -> None: ...
@@ -129,6 +131,8 @@ class EngineLoop:
             return
         try:
             self.telemetry = self._make_telemetry(engine.info)
+            if self.hook is not None:
+                self.hook.loaded(engine)
             self.stats = engine.stats()
             self._on_loaded(engine.info)
             self._loop(engine, self.telemetry)

@@ -126,6 +126,11 @@ class PdHook:
             log.warning("disaggregation message to %s not sent: %s", subject, e)
 
     # -- engine thread ----------------------------------------------------------------------------------
+    def loaded(self, engine: Engine) -> None:
+        """The NIXL agent starts and registers the KV cache here, before the first heartbeat: it holds the GIL
+        for a while (0.5 s on an idle 2-core box), which must not delay the heartbeats of a live instance."""
+        self._roles(engine)
+
     def _roles(self, engine: Engine) -> None:
         if self._prefill is None and self._decode is None:
             agent = KvTransferAgent(self.instance_id, engine.runner.kv)

@@ -48,31 +48,35 @@ def _run_all(url: str) -> list[list[Any]]:
 
 
 def test_prefill_and_decode_instances_match_one_colocated_instance(stack_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    stack = stack_factory(tmp_path / "stack", schedulers=1, scheduler_args=ARGS)
+    # As `kubesgl up --prefill 1 --decode 1` starts them.
+    stack = stack_factory(
+        tmp_path / "stack", schedulers=0, prefill_schedulers=1, decode_schedulers=1, scheduler_args=ARGS
+    )
     url = stack.gateway_urls[0]
-    want = [_complete(url, b) for b in BODIES]
-    (both,) = [s for s in stack.services.values() if s.kind == "scheduler"]
-    prefill = stack.spawn("scheduler", ("--disaggregation-mode", "prefill"))
-    decode = stack.spawn("scheduler", ("--disaggregation-mode", "decode"))
-    stack.wait_ready(180, [prefill.name, decode.name])
-    both.proc.terminate()
-    both.proc.wait(30)
+    prefill, decode = [s for s in stack.services.values() if s.kind == "scheduler"]
+    assert "prefill" in prefill.proc.args and "decode" in decode.proc.args
     got = _run_all(url)
-    assert got == want
     # Every request's prompt was computed by the prefill instance, its KV pulled by the decode instance.
     assert _metric(prefill.metrics_url, "kubesgl_pd_handoffs_total") >= len(BODIES)
     assert _metric(decode.metrics_url, "kubesgl_pd_transfer_bytes_total") > 0
-    assert (
-        _metric(decode.metrics_url, "kubesgl_pd_transfer_duration_seconds_count") >= 4
-    )  # "Hi": under a page
+    assert _metric(decode.metrics_url, "kubesgl_pd_transfer_duration_seconds_count") >= 1
     assert _metric(decode.metrics_url, "kubesgl_pd_fallbacks_total") == 0
 
     # The prefill instance dies with requests in flight: the decode instance prefills them; none is lost.
     with concurrent.futures.ThreadPoolExecutor(len(BODIES)) as pool:
         futures = [pool.submit(_complete, url, b) for b in BODIES]
         prefill.proc.kill()
-        assert [f.result() for f in futures] == want
+        after_kill = [f.result() for f in futures]
     assert _metric(decode.metrics_url, "kubesgl_pd_fallbacks_total") > 0
+
+    # The reference: one scheduler serving whole requests, the same flags.
+    decode.proc.terminate()
+    decode.proc.wait(30)
+    both = stack.spawn("scheduler")
+    stack.wait_ready(180, [both.name])
+    want = [_complete(url, b) for b in BODIES]
+    assert got == want
+    assert after_kill == want
 
 
 def _metric(url: str, name: str) -> float:
