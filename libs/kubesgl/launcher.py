@@ -43,6 +43,10 @@ class StackConfig:
     model_path: str
     served_model_name: str
     schedulers: int = 1
+    # Prefill/decode disaggregation: schedulers started with --disaggregation-mode prefill / decode, after the
+    # `schedulers` that serve whole requests.
+    prefill_schedulers: int = 0
+    decode_schedulers: int = 0
     detokenizers: int = 1
     tokenizers: int = 1
     gateways: int = 1
@@ -58,6 +62,10 @@ class StackConfig:
     log_level: str = "info"
     log_to_files: bool = True  # else children share the launcher's terminal
     env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def all_schedulers(self) -> int:
+        return self.schedulers + self.prefill_schedulers + self.decode_schedulers
 
 
 _TAIL_LINES = 30  # of a child's output kept in memory, to show why it died
@@ -161,13 +169,17 @@ class Stack:
         for kind, n in zip(KINDS, (c.schedulers, c.detokenizers, c.tokenizers, c.gateways), strict=True):
             for _ in range(n):
                 self.spawn(kind)
+            if kind == "scheduler":
+                for role, m in (("prefill", c.prefill_schedulers), ("decode", c.decode_schedulers)):
+                    for _ in range(m):
+                        self.spawn(kind, ("--disaggregation-mode", role))
 
     def _threads_env(self, kind: str) -> dict[str, str]:
         """CPU schedulers on one host share its cores: each torch pool sized to its share, not to all of them
         (oversubscribed pools made a 2-scheduler run ~10x slower). An explicit OMP_NUM_THREADS wins."""
         if kind != "scheduler" or "OMP_NUM_THREADS" in os.environ or "OMP_NUM_THREADS" in self.config.env:
             return {}
-        return {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // max(self.config.schedulers, 1)))}
+        return {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // max(self.config.all_schedulers, 1)))}
 
     def spawn(self, kind: str, extra_args: tuple[str, ...] = ()) -> ServiceProcess:
         """Starts one more replica of `kind` (also used by tests to scale up mid-run)."""
@@ -302,7 +314,7 @@ def planned_ports(c: StackConfig) -> dict[str, int]:
     if c.port:
         ports |= {f"gateway-{i}": c.port + i for i in range(c.gateways)}
     if c.base_port:
-        counts = {"scheduler": c.schedulers, "detokenizer": c.detokenizers, "tokenizer": c.tokenizers}
+        counts = {"scheduler": c.all_schedulers, "detokenizer": c.detokenizers, "tokenizer": c.tokenizers}
         names = [f"{kind}-{i}" for kind in KINDS if kind != "gateway" for i in range(counts[kind])]
         ports |= {name: c.base_port + k for k, name in enumerate(names)}
     taken: dict[int, str] = {}
@@ -415,7 +427,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--tokenizers", type=int, default=1)
     parser.add_argument("--detokenizers", type=int, default=1)
-    parser.add_argument("--schedulers", type=int, default=1)
+    parser.add_argument(
+        "--schedulers",
+        type=int,
+        default=None,
+        help="schedulers serving whole requests (default 1; 0 with --prefill/--decode)",
+    )
+    parser.add_argument("--prefill", type=int, default=0, help="prefill-role schedulers (disaggregation)")
+    parser.add_argument("--decode", type=int, default=0, help="decode-role schedulers (disaggregation)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per scheduler")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--scheduler-args", default="", help="extra scheduler flags, e.g. '--page-size 16'")
@@ -441,7 +460,9 @@ def main(args: argparse.Namespace) -> int:
     config = StackConfig(
         model_path=model_path,
         served_model_name=name,
-        schedulers=args.schedulers,
+        schedulers=args.schedulers if args.schedulers is not None else int(not (args.prefill or args.decode)),
+        prefill_schedulers=args.prefill,
+        decode_schedulers=args.decode,
         detokenizers=args.detokenizers,
         tokenizers=args.tokenizers,
         gateways=args.gateways,
@@ -518,7 +539,7 @@ def _serving_banner(stack: Stack, model: str) -> str:
 
 
 def _summary(c: StackConfig) -> str:
-    counts = (c.gateways, c.tokenizers, c.schedulers, c.detokenizers)
+    counts = (c.gateways, c.tokenizers, c.all_schedulers, c.detokenizers)
     return ", ".join(f"{n} {k}(s)" for n, k in zip(counts, STOP_ORDER, strict=True))
 
 

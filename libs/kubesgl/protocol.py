@@ -88,6 +88,16 @@ def kv_snapshot_subject(instance_id: str) -> str:
     return f"{_ROOT}.sched.{_token(instance_id)}.kv_snapshot"
 
 
+def prefill_subject(instance_id: str) -> str:
+    """Where a prefill-role instance takes PrefillAsks, and KvReleases of handoffs it holds."""
+    return f"{_ROOT}.sched.{_token(instance_id)}.prefill"
+
+
+def handoff_subject(instance_id: str) -> str:
+    """Where a decode-role instance takes the PrefillDones of prompts computed for it."""
+    return f"{_ROOT}.sched.{_token(instance_id)}.handoff"
+
+
 def gateway_subject(gateway_id: str) -> str:
     """Where the gateway holding a client's connection receives that client's TextDeltas."""
     return f"{_ROOT}.gw.{_token(gateway_id)}"
@@ -375,6 +385,45 @@ class GenerateRequest(Message):
     sampling: SamplingParams
     deadline: float
     output_ids: list[int] = field(default_factory=list)
+    # Disaggregation: the prefill instance the router chose for this request's prompt ("" for none: the
+    # receiving instance prefills it itself).
+    prefill_instance: str = ""
+
+
+@dataclass
+class PrefillAsk(Message):
+    """decode instance -> prefill instance: compute this prompt and its first token, hand the KV back."""
+
+    rid: str
+    decode_instance: str
+    input_ids: list[int]
+    sampling: SamplingParams
+    deadline: float
+
+
+@dataclass
+class PrefillDone(Message):
+    """prefill instance -> decode instance: the first token(s), and NIXL's descriptors of the prompt's full KV
+    pages (engine/scheduler/disagg.py). `finished`: the request ended at its first token; nothing to pull."""
+
+    rid: str
+    seed: int
+    new_token_ids: list[int]
+    cached_tokens: int
+    num_pages: int
+    agent_metadata: bytes
+    descs: bytes
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+
+
+@dataclass
+class KvRelease(Message):
+    """decode instance -> prefill instance: done with the handoff's pages (pulled, or given up)."""
+
+    rid: str
 
 
 @dataclass
@@ -431,6 +480,7 @@ class Heartbeat(Message):
     kv_block_size: int = 0
     kv_epoch: str = ""
     kv_seq: int = 0
+    role: str = "both"  # --disaggregation-mode: prefill | decode | both (engine/scheduler/disagg.py)
 
 
 @dataclass

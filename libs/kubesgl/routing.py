@@ -33,6 +33,14 @@ class Candidate:
         return hb.running + hb.queued + self.routed_since_heartbeat
 
 
+def disaggregated(candidates: Sequence[Candidate]) -> tuple[list[Candidate], list[Candidate]] | None:
+    """(decode instances, prefill instances) when both roles are live; None otherwise, and then every
+    candidate takes requests end to end (a prefill instance alone serves whole requests rather than none)."""
+    decode = [c for c in candidates if c.heartbeat.role == "decode"]
+    prefill = [c for c in candidates if c.heartbeat.role == "prefill"]
+    return (decode, prefill) if decode and prefill else None
+
+
 class Router(Protocol):
     def route(self, request_tokens: Sequence[int], candidates: Sequence[Candidate]) -> str:
         """The instance id to send the request to; `candidates` is never empty."""

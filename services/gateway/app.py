@@ -34,9 +34,9 @@ from kubesgl.services.gateway.config import add_arguments as add_config_argument
 from kubesgl.services.gateway.gateway import Gateway
 from kubesgl.services.gateway.guards import ApiKeyCheck, BodySizeLimit
 from kubesgl.services.gateway.http_protocol import TimedHttpProtocol
+from kubesgl.services.gateway.migration import MigrationPolicy
 from kubesgl.services.gateway.ops_routes import not_ready_reason
 from kubesgl.services.gateway.workers import WorkerBoard, supervise
-from kubesgl.services.gateway.migration import MigrationPolicy
 from starlette.exceptions import HTTPException
 
 log = logging.getLogger("kubesgl.gateway")

@@ -15,14 +15,16 @@ import sys
 from kubesgl.engine.config import EngineConfig
 from kubesgl.engine.distributed import local_ranks, run_node_ranks
 from kubesgl.engine.engine import Engine
+from kubesgl.engine.scheduler.disagg import DisaggregationMode
 from kubesgl.service.bus_service import add_service_arguments, run_bus_service
 from kubesgl.service.lifecycle import configure_logging
-from kubesgl.service.telemetry.metrics import SchedulerMetrics, new_registry
+from kubesgl.service.telemetry.metrics import DisaggregationMetrics, SchedulerMetrics, new_registry
 from kubesgl.service.telemetry.scheduler import SchedulerTelemetry
 from kubesgl.service.telemetry.stats_log import StatsLog
 from kubesgl.service.telemetry.tracing import Tracing
 from kubesgl.services.scheduler.engine_loop import EngineLoop
 from kubesgl.services.scheduler.engine_process import EngineProcess
+from kubesgl.services.scheduler.pd import PdHook
 from kubesgl.services.scheduler.service import SchedulerService
 from kubesgl.values.outputs import ModelInfo
 from nats.aio.client import Client
@@ -79,6 +81,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=True,
         help="run the engine in a process of its own, the NATS bus work in this one (no GIL shared between "
         "them); --no-engine-process runs both in one process, the engine on a thread (for debugging)",
+    )
+    parser.add_argument(
+        "--disaggregation-mode",
+        choices=[m.value for m in DisaggregationMode],
+        default=DisaggregationMode.BOTH.value,
+        help="prefill/decode disaggregation role (SGLang's flag): prefill computes prompts for decode "
+        "instances, decode owns the streams; both (default) serves whole requests. Advertised in heartbeats",
+    )
+    parser.add_argument(
+        "--disaggregation-timeout",
+        type=_positive_float,
+        default=30.0,
+        help="seconds a decode instance waits for a prompt's prefill, or its KV pull, before prefilling it "
+        "itself (a prefill instance unlocks a handoff's pages after as long)",
     )
     parser.add_argument(
         "--enable-mixed-chunk",
@@ -253,6 +269,11 @@ def main(args: argparse.Namespace) -> int:
     make_engine = functools.partial(Engine, config)  # picklable: the engine process builds it
 
     async def build(nc: Client, stop: asyncio.Event) -> SchedulerService:
+        mode = DisaggregationMode(args.disaggregation_mode)
+        pd = None
+        if mode is not DisaggregationMode.BOTH:
+            pd = PdHook(nc, instance_id, mode, args.disaggregation_timeout, DisaggregationMetrics(registry))
+
         def make_loop(service: SchedulerService) -> EngineLoop | EngineProcess:
             callbacks = (
                 service.engine_loaded,
@@ -260,9 +281,11 @@ def main(args: argparse.Namespace) -> int:
                 service.engine_failed,
                 service.engine_kv_events,
             )
-            if args.engine_process:
+            # The prefill/decode hook (pd.py) drives NIXL and NATS from the engine thread, so a role other
+            # than `both` keeps the engine on a thread of the service process (one GIL) for now.
+            if args.engine_process and service.pd is None:
                 return EngineProcess(make_engine, make_telemetry, *callbacks, log_level=args.log_level)
-            return EngineLoop(make_engine, make_telemetry, *callbacks)
+            return EngineLoop(make_engine, make_telemetry, *callbacks, hook=service.pd)
 
         return SchedulerService(
             nc,
@@ -276,6 +299,7 @@ def main(args: argparse.Namespace) -> int:
             detok_batch_size=args.detok_batch_size,
             stream_interval=args.stream_interval,
             kv_event_block_size=config.kv_event_block_size,
+            pd=pd,
         )
 
     try:

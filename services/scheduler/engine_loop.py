@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kubesgl.engine.engine import Engine
 from kubesgl.errors import KubesglError
@@ -25,6 +26,7 @@ log = logging.getLogger("kubesgl.scheduler.engine")
 
 _IDLE_WAIT_S = 0.05
 _STATS_EVERY_S = 0.1
+_PULL_POLL_S = 0.0005
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,27 @@ class StopEngine:
     pass
 
 
-Command = AddRequest | AbortRequest | QueryStats | KvSnapshotQuery | StopEngine
+@dataclass(frozen=True)
+class RunOnEngine:
+    """Work of a role hook (pd.py) that must run on the engine thread; what it returns is reported."""
+
+    fn: Callable[[Engine], list[RequestOutput]]
+
+
+class StepHook(Protocol):
+    """A disaggregation role's per-step work on the engine thread (services/scheduler/pd.py)."""
+
+    @property
+    def busy(self) -> bool: ...  # work pending outside the engine (KV pulls): the loop keeps turning
+
+    def loaded(self, engine: Engine) -> None: ...  # before the instance announces itself
+
+    def after_step(self, engine: Engine, outputs: list[RequestOutput]) -> list[RequestOutput]: ...
+
+    def abort(self, engine: Engine, rid: str) -> None: ...
+
+
+Command = AddRequest | AbortRequest | QueryStats | KvSnapshotQuery | StopEngine | RunOnEngine
 
 
 class EngineLoop:
@@ -72,7 +94,9 @@ class EngineLoop:
         on_outputs: Callable[[list[RequestOutput], dict[str, str | None]], None],
         on_fatal: Callable[[BaseException], None],
         on_kv_events: Callable[[list[int], list[int]], None] | None = None,
+        hook: StepHook | None = None,
     ) -> None:
+        self.hook = hook
         self._make_engine = make_engine
         self._make_telemetry = make_telemetry
         self.telemetry: SchedulerTelemetry | None = None  # set once the model is loaded (it names the pool)
@@ -108,6 +132,8 @@ class EngineLoop:
             return
         try:
             self.telemetry = self._make_telemetry(engine.info)
+            if self.hook is not None:
+                self.hook.loaded(engine)
             self.stats = engine.stats()
             self._on_loaded(engine.info)
             self._loop(engine, self.telemetry)
@@ -119,16 +145,23 @@ class EngineLoop:
 
     def _loop(self, engine: Engine, telemetry: SchedulerTelemetry) -> None:
         next_stats = 0.0
+        hook = self.hook
         while True:
-            for command in self._take(block=not engine.has_work()):
+            pulling = hook is not None and hook.busy
+            for command in self._take(block=not (engine.has_work() or pulling)):
                 if isinstance(command, StopEngine):
                     return
                 self._apply(engine, command)
+            if pulling and not engine.has_work():
+                time.sleep(_PULL_POLL_S)  # a KV pull in flight and nothing to step: poll it without spinning
+            outputs: list[RequestOutput] = []
             if engine.has_work():
                 telemetry.on_step_start()
                 outputs = engine.step()
-                if outputs:
-                    self._on_outputs(outputs, telemetry.on_outputs(outputs))
+            if hook is not None:
+                outputs = hook.after_step(engine, outputs)
+            if outputs:
+                self._on_outputs(outputs, telemetry.on_outputs(outputs))
             self._hand_over_kv_events(engine)
             if (now := time.monotonic()) >= next_stats:
                 self.stats, next_stats = engine.stats(), now + _STATS_EVERY_S
@@ -154,6 +187,12 @@ class EngineLoop:
                 command.done(None)
         elif isinstance(command, AbortRequest):
             engine.abort(command.rid)
+            if self.hook is not None:
+                self.hook.abort(engine, command.rid)
+        elif isinstance(command, RunOnEngine):
+            if outputs := command.fn(engine):
+                assert self.telemetry is not None
+                self._on_outputs(outputs, self.telemetry.on_outputs(outputs))
         elif isinstance(command, QueryStats):
             command.done(engine.stats())
         elif isinstance(command, KvSnapshotQuery):

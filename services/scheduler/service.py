@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable
 from itertools import pairwise
 
 import nats.errors
+from kubesgl.engine.scheduler.disagg import DisaggregationMode
 from kubesgl.errors import DeadlineExceededError, InvalidRequestError, KubesglError, ServiceUnavailableError
 from kubesgl.protocol import (
     ABORT,
@@ -50,6 +51,7 @@ from kubesgl.services.scheduler.delivery import deliver
 from kubesgl.services.scheduler.engine_loop import AbortRequest, AddRequest, EngineLoop, QueryStats
 from kubesgl.services.scheduler.engine_process import EngineProcess
 from kubesgl.services.scheduler.kv_publisher import KvPublisher
+from kubesgl.services.scheduler.pd import PdHook
 from kubesgl.services.scheduler.streams import RequestStream
 from kubesgl.values.outputs import EngineStats, ModelInfo, RequestOutput
 from nats.aio.client import Client
@@ -78,7 +80,9 @@ class SchedulerService:
         kv_event_block_size: int = 0,
         detok_batch_size: int = 64,
         stream_interval: int = 1,
+        pd: PdHook | None = None,  # a prefill or decode role (--disaggregation-mode); None: both
     ) -> None:
+        self.pd = pd
         if detok_batch_size < 1:
             raise ValueError(f"detok_batch_size must be >= 1, got {detok_batch_size}")
         if stream_interval < 1:
@@ -95,7 +99,10 @@ class SchedulerService:
         self.exit_code = 0
         self._stop = stop
         self._loop = asyncio.get_running_loop()
+        self._tasks = TaskGroup()
         self._engine = make_engine_loop(self)
+        if self.pd is not None:
+            self.pd.submit = self._engine.submit
         self._info: ModelInfo | None = None
         self._loaded = asyncio.Event()
         self._heartbeat_sent = False
@@ -106,7 +113,6 @@ class SchedulerService:
         self._aborted: OrderedDict[str, None] = OrderedDict()  # aborts of rids not (yet) seen here
         self._in_flight: set[str] = set()  # rids whose latest delta is in a batch not acked yet
         self._deliveries: set[asyncio.Task[None]] = set()
-        self._tasks = TaskGroup()
         self._subs: list[Subscription] = []
         self._heartbeat_task: asyncio.Task[None] | None = None
         self._kv = (
@@ -145,6 +151,8 @@ class SchedulerService:
         ]
         if self._kv is not None:
             await self._kv.start()
+        if self.pd is not None:
+            await self.pd.start()
         self._heartbeat_task = self._loop.create_task(self._heartbeats())
 
     def nats_reconnected(self) -> None:
@@ -242,7 +250,15 @@ class SchedulerService:
             self._loop.call_soon_threadsafe(future.set_result, err)
 
         # The engine checks the sampling parameters (the second gate after the gateway's): a refusal is a 400.
-        self._engine.submit(AddRequest(req.rid, req.input_ids, req.sampling, done, req.output_ids))
+        if (
+            self.pd is not None
+            and req.prefill_instance
+            and not req.output_ids
+            and self.pd.mode is DisaggregationMode.DECODE
+        ):
+            self._engine.submit(self.pd.admit(req, done))
+        else:
+            self._engine.submit(AddRequest(req.rid, req.input_ids, req.sampling, done, req.output_ids))
         try:
             err = await future
         finally:
@@ -434,6 +450,7 @@ class SchedulerService:
             kv_block_size=self._kv.block_size if self._kv else 0,
             kv_epoch=self._kv.epoch if self._kv else "",
             kv_seq=self._kv.seq if self._kv else 0,
+            role=self.pd.mode.value if self.pd is not None else DisaggregationMode.BOTH.value,
         )
         try:
             await self.nc.publish(HEARTBEAT, hb.to_bytes())

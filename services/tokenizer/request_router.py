@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from kubesgl.cache_routing.affinity import session_instance
 from kubesgl.cache_routing.cache_aware import CacheAwareRouter
-from kubesgl.routing import Candidate, Router
+from kubesgl.routing import Candidate, LeastLoadRouter, Router, disaggregated
 from kubesgl.service.telemetry.metrics import RouterMetrics
 
 _OUTCOME = {"least-load": "load", "round-robin": "turn"}
@@ -26,6 +26,18 @@ class RequestRouter:
         self.router = router
         self.metrics = metrics
         self.affinity_max_load = affinity_max_load  # None: no session affinity
+
+    def pick_pair(
+        self, request_tokens: Sequence[int], session_id: str | None, candidates: Sequence[Candidate]
+    ) -> tuple[str, str]:
+        """(the instance the request goes to, the prefill instance it names, "" for none). With prefill and
+        decode instances live, the request goes to the least-loaded decode instance, which owns its stream,
+        and the policy (prefix-cache score and load) picks the prefill instance for its prompt."""
+        roles = disaggregated(candidates)
+        if roles is None:
+            return self.pick(request_tokens, session_id, candidates), ""
+        decode, prefill = roles
+        return LeastLoadRouter().route(request_tokens, decode), self.pick(request_tokens, session_id, prefill)
 
     def pick(
         self, request_tokens: Sequence[int], session_id: str | None, candidates: Sequence[Candidate]

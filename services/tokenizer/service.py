@@ -214,7 +214,8 @@ class TokenizerService:
                 continue
             if not candidates:
                 break
-            instance = self.router.pick(gen.input_ids, session_id, candidates)
+            instance, prefill = self.router.pick_pair(gen.input_ids, session_id, candidates)
+            gen = replace(gen, prefill_instance=prefill)
             tried.add(instance)
             self.registry.note_routed(instance)
             try:

@@ -57,6 +57,9 @@ class Req:
     grammar_future: Future[CompiledConstraint] | None = None
     grammar: GrammarState | None = None
     error: KubesglError | None = None
+    # Disaggregation (prefill role): after its first token the request leaves for a decode instance, its
+    # prompt's KV locked in the prefix cache until the transfer ends (engine/scheduler/disagg.py).
+    hand_off: bool = False
 
     @property
     def all_ids(self) -> list[int]:

@@ -52,6 +52,22 @@ class KVCache:
         self.k_flat(layer)[out_loc] = k.to(self.dtype)
         self.v_flat(layer)[out_loc] = v.to(self.dtype)
 
+    def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K and V tensors whole (a transfer engine registers them once)."""
+        return self._k, self._v
+
+    def page_regions(self, pages: list[int]) -> list[tuple[int, int]]:
+        """(address, bytes) of each listed page in every layer, K then V, layer-major: the same order on every
+        instance of the same model and page size, so two lists of pages pair region by region."""
+        page_bytes = self.page_size * self.num_kv_heads * self.head_dim * self._k.element_size()
+        out = []
+        for buf in (self._k, self._v):
+            base = buf.data_ptr()
+            for layer in range(self.num_layers):
+                row = base + layer * self.num_pages * page_bytes
+                out += [(row + p * page_bytes, page_bytes) for p in pages]
+        return out
+
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()

@@ -7,7 +7,7 @@ from kubesgl.engine.plan import BatchPlan, SlotInit
 from kubesgl.engine.request import Req
 from kubesgl.engine.scheduler.limits import SchedulerCounters
 from kubesgl.kv.page_pool import PagePool
-from kubesgl.kv.prefix_cache import PrefixCache
+from kubesgl.kv.prefix_cache import CacheHandle, PrefixCache
 
 
 class Memory:
@@ -76,6 +76,18 @@ class Memory:
         self._free_slots.append(req.slot)
         self.running.remove(req)
         req.release()
+
+    def hand_off(self, req: Req) -> tuple[CacheHandle | None, list[int]]:
+        """The request leaves for a decode instance: its slot and uncached pages go back; the lock on its
+        prompt's cached pages and those pages are returned, held until the transfer ends."""
+        self.cache_prefix(req, req.prefill_target)
+        lock, pages = req.cache_handle, req.pages[: req.tree_pages]
+        req.cache_handle = None
+        self.pool.free(req.pages[req.tree_pages :])
+        self._free_slots.append(req.slot)
+        self.running.remove(req)
+        req.release()
+        return lock, pages
 
     def preempt(self, req: Req) -> None:
         """Releases a running request's memory; it waits again (the caller queues it)."""

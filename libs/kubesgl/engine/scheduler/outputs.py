@@ -4,16 +4,34 @@ and what each request reports."""
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 from kubesgl.engine.plan import BatchPlan, StepTokens
 from kubesgl.engine.request import Req, ReqState
 from kubesgl.engine.scheduler.limits import SchedulerCounters, SchedulerLimits
 from kubesgl.engine.scheduler.memory import Memory
 from kubesgl.errors import KubesglError
+from kubesgl.kv.prefix_cache import CacheHandle
 from kubesgl.structured.matcher import GrammarRejectedToken
-from kubesgl.values.outputs import FinishReason, RequestOutput
+from kubesgl.values.outputs import FinishReason, RequestOutput, TokenLogprob
+from kubesgl.values.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class HandedOff:
+    """A prefill-role request after its first token: what the decode instance needs to go on, and the lock on
+    its prompt's cached `pages` (full pages only) that holds their KV until the transfer ends."""
+
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    seed: int
+    output: RequestOutput  # its first token(s) and prompt logprobs, not yet reported to anyone
+    logprobs: list[TokenLogprob]
+    pages: list[int]
+    lock: CacheHandle | None
 
 
 class Outputs:
@@ -25,6 +43,7 @@ class Outputs:
         self.reqs = reqs
         self.counters = counters
         self._finished_unreported: list[Req] = []
+        self.handed_off: list[HandedOff] = []  # taken by the prefill role (Scheduler.take_handed_off)
 
     @property
     def has_unreported(self) -> bool:
@@ -74,9 +93,20 @@ class Outputs:
                 self.finish(req, FinishReason.STOP)
             elif len(req.output_ids) >= req.max_new_tokens or req.num_known >= self.limits.context_len:
                 self.finish(req, FinishReason.LENGTH)
+            elif req.hand_off:
+                touched.pop()
+                self._hand_off(req)
             elif i < prefilled:  # prefill just completed: share the prompt with later requests
                 self.memory.cache_prefix(req, min(req.prefill_target, req.num_known))
         return [self._output(r) for r in touched if not r.finished] + self.drain_finished()
+
+    def _hand_off(self, req: Req) -> None:
+        lock, pages = self.memory.hand_off(req)
+        output = self._output(req)
+        self.reqs.pop(req.rid, None)
+        self.handed_off.append(
+            HandedOff(req.rid, req.input_ids, req.params, req.seed, output, list(req.logprobs), pages, lock)
+        )
 
     def _accept(self, req: Req, tok: int) -> bool:
         """Advances the request's matcher; a token its grammar refuses (a masking bug) fails only this request."""

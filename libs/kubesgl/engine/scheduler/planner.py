@@ -31,7 +31,10 @@ class Planner:
         batch = [
             r
             for r in self.memory.running
-            if not r.is_prefilling and len(r.output_ids) + r.pending < r.max_new_tokens and r.kv_len + 1 < ctx
+            if not r.is_prefilling
+            and not r.hand_off
+            and len(r.output_ids) + r.pending < r.max_new_tokens
+            and r.kv_len + 1 < ctx
         ]
         batch.sort(key=lambda r: r.arrival)
         return batch

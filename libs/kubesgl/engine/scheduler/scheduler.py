@@ -13,7 +13,7 @@ from kubesgl.engine.request import Req, ReqState
 from kubesgl.engine.scheduler.admission import Admission
 from kubesgl.engine.scheduler.limits import SchedulerCounters, SchedulerLimits
 from kubesgl.engine.scheduler.memory import Memory
-from kubesgl.engine.scheduler.outputs import Outputs
+from kubesgl.engine.scheduler.outputs import HandedOff, Outputs
 from kubesgl.engine.scheduler.planner import Planner, Scheduled, grammar_states
 from kubesgl.kv.page_pool import PagePool
 from kubesgl.kv.prefix_cache import PrefixCache
@@ -52,9 +52,19 @@ class Scheduler:
 
     # -- requests in and out -----------------------------------------------------------------------
     def add_request(
-        self, rid: str, input_ids: list[int], params: SamplingParams, output_ids: Sequence[int] = ()
+        self,
+        rid: str,
+        input_ids: list[int],
+        params: SamplingParams,
+        output_ids: Sequence[int] = (),
+        hand_off: bool = False,
     ) -> None:
-        self.admission.add(rid, input_ids, params, output_ids)
+        self.admission.add(rid, input_ids, params, output_ids, hand_off)
+
+    def take_handed_off(self) -> list[HandedOff]:
+        """Prefill-role requests that got their first token since the last call (their KV locked for transfer)."""
+        out, self.outputs.handed_off = self.outputs.handed_off, []
+        return out
 
     def abort(self, rid: str) -> None:
         req = self.reqs.get(rid)

@@ -588,3 +588,32 @@ class GatewayRequestMetrics:
         m._in_flight.labels(model=self._model).dec()
         m._duration.labels(model=self._model, route=self._endpoint).observe(time.perf_counter() - self._start)
         m._requests.labels(model=self._model, route=self._endpoint, status=str(status)).inc()
+
+
+class DisaggregationMetrics:
+    """A prefill or decode instance's KV handoffs (services/scheduler/pd.py)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.handoffs = Counter(
+            "kubesgl_pd_handoffs_total",
+            "Prompts this prefill instance computed and handed to a decode instance (their KV described).",
+            registry=registry,
+        )
+        self.transfer_bytes = Counter(
+            "kubesgl_pd_transfer_bytes_total",
+            "KV bytes this decode instance pulled from prefill instances through NIXL.",
+            registry=registry,
+        )
+        self.transfer_seconds = Histogram(
+            "kubesgl_pd_transfer_duration_seconds",
+            "One request's KV pull, from its handoff's arrival to the pages in place.",
+            buckets=SERVICE_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.fallbacks = Counter(
+            "kubesgl_pd_fallbacks_total",
+            "Requests this decode instance prefilled itself (no_prefill: no handoff in time; transfer: the KV "
+            "pull failed, was late or found no room).",
+            ["reason"],
+            registry=registry,
+        )

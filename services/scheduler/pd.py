@@ -1,0 +1,238 @@
+"""The scheduler service's side of prefill/decode disaggregation: the bus in and out of the roles of
+engine/scheduler/disagg.py, which run on the engine thread (RunOnEngine commands and the loop's StepHook).
+
+Decode instance (owns the request): admission checks it as usual, then asks the named prefill instance
+(PrefillAsk); the PrefillDone that comes back is its first output, reported at once, and the pull of its KV;
+the pull's end sends KvRelease. No PrefillDone within the handoff timeout (a dead or stuck prefill instance), a
+failed pull, or a refused one: the request is prefilled here. Prefill instance: PrefillAsk -> a hand-off request;
+its handoff (or its end at the first token) -> PrefillDone to the decode instance; its pages stay locked until
+KvRelease, or the handoff timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import nats.errors
+from kubesgl.engine.engine import Engine
+from kubesgl.engine.scheduler.disagg import (
+    DecodeRole,
+    DisaggregationMode,
+    KvHandoff,
+    PrefillRole,
+    TransferCounters,
+)
+from kubesgl.errors import KubesglError
+from kubesgl.kv.kv_transfer import KvTransferAgent
+from kubesgl.protocol import (
+    GenerateRequest,
+    KvRelease,
+    Message,
+    PrefillAsk,
+    PrefillDone,
+    ProtocolError,
+    decode,
+    handoff_subject,
+    prefill_subject,
+)
+from kubesgl.service.lifecycle import TaskGroup
+from kubesgl.service.telemetry.metrics import DisaggregationMetrics
+from kubesgl.services.scheduler.engine_loop import Command, RunOnEngine
+from kubesgl.values.outputs import RequestOutput
+from kubesgl.values.sampling import SamplingParams
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+log = logging.getLogger("kubesgl.scheduler.pd")
+
+
+@dataclass
+class _Ask:
+    input_ids: list[int]
+    params: SamplingParams
+    prefill_instance: str
+    at: float
+
+
+class PdHook:
+    def __init__(
+        self,
+        nc: Client,
+        instance_id: str,
+        mode: DisaggregationMode,
+        handoff_timeout_s: float,
+        metrics: DisaggregationMetrics,
+    ) -> None:
+        self.nc, self.instance_id, self.mode = nc, instance_id, mode
+        self._loop, self._tasks = asyncio.get_running_loop(), TaskGroup()
+        self.handoff_timeout_s = handoff_timeout_s
+        self.metrics = metrics
+        self._counted = TransferCounters()  # the decode role's counters as last put in the metrics
+        self.submit: Callable[[Command], None] = lambda c: None  # the engine loop's, set by the service
+        # Engine thread only, from here on.
+        self._prefill: PrefillRole | None = None
+        self._decode: DecodeRole | None = None
+        self._asked: dict[str, _Ask] = {}  # decode: requests waiting for their PrefillDone
+        self._prefill_of: dict[str, str] = {}  # decode: rid -> the prefill instance holding its pages
+        self._decode_of: dict[str, str] = {}  # prefill: rid -> the decode instance that asked
+
+    async def start(self) -> None:
+        subject = prefill_subject if self.mode is DisaggregationMode.PREFILL else handoff_subject
+        await self.nc.subscribe(subject(self.instance_id), cb=self._on_message)
+
+    # -- event loop -------------------------------------------------------------------------------------
+    def admit(self, req: GenerateRequest, done: Callable[[KubesglError | None], None]) -> Command:
+        """The decode side's admission of a request the router gave a prefill instance."""
+
+        def run(engine: Engine) -> list[RequestOutput]:
+            try:
+                engine.scheduler.admission.check(req.rid, req.input_ids, req.sampling)
+            except KubesglError as e:
+                done(e)
+                return []
+            self._asked[req.rid] = _Ask(req.input_ids, req.sampling, req.prefill_instance, time.monotonic())
+            ask = PrefillAsk(req.rid, self.instance_id, req.input_ids, req.sampling, req.deadline)
+            self._publish(prefill_subject(req.prefill_instance), ask)
+            done(None)
+            return []
+
+        return RunOnEngine(run)
+
+    async def _on_message(self, msg: Msg) -> None:
+        try:
+            m = decode(msg.data, PrefillAsk, PrefillDone, KvRelease)
+        except ProtocolError as e:
+            log.warning("ignoring malformed disaggregation message: %s", e)
+            return
+        if isinstance(m, PrefillAsk):
+            self.submit(RunOnEngine(lambda engine: self._add_prefill(engine, m)))
+        elif isinstance(m, KvRelease):
+            self.submit(RunOnEngine(lambda engine: self._release(engine, m.rid)))
+        else:
+            self.submit(RunOnEngine(lambda engine: self._received(engine, m)))
+
+    def _publish(self, subject: str, message: Message) -> None:
+        """From the engine thread: hands the publish to the event loop."""
+        self._loop.call_soon_threadsafe(self._tasks.spawn, self._send(subject, message.to_bytes()))
+
+    async def _send(self, subject: str, data: bytes) -> None:
+        try:
+            await self.nc.publish(subject, data)
+        except nats.errors.Error as e:  # the peer's timeouts cover a lost message
+            log.warning("disaggregation message to %s not sent: %s", subject, e)
+
+    # -- engine thread ----------------------------------------------------------------------------------
+    def loaded(self, engine: Engine) -> None:
+        """The NIXL agent starts and registers the KV cache here, before the first heartbeat: it holds the GIL
+        for a while (0.5 s on an idle 2-core box), which must not delay the heartbeats of a live instance."""
+        self._roles(engine)
+
+    def _roles(self, engine: Engine) -> None:
+        if self._prefill is None and self._decode is None:
+            agent = KvTransferAgent(self.instance_id, engine.runner.kv)
+            if self.mode is DisaggregationMode.PREFILL:
+                self._prefill = PrefillRole(engine.scheduler, agent)
+            else:
+                self._decode = DecodeRole(engine.scheduler, agent, self.handoff_timeout_s)
+
+    @property
+    def busy(self) -> bool:
+        """KV pulls in flight: the loop polls them between steps (waiting asks need only its idle wake-ups)."""
+        return self._decode is not None and self._decode.busy
+
+    def after_step(self, engine: Engine, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        self._roles(engine)
+        if self._prefill is not None:
+            return self._after_prefill_step(outputs)
+        assert self._decode is not None
+        for rid in self._decode.poll():
+            self._publish(prefill_subject(self._prefill_of.pop(rid)), KvRelease(rid))
+        now = time.monotonic()
+        for rid in [r for r, a in self._asked.items() if now - a.at > self.handoff_timeout_s]:
+            ask = self._asked.pop(rid)
+            log.warning("no prefill of %s from %s in time: prefilling it here", rid, ask.prefill_instance)
+            self._decode.prefill_here(rid, ask.input_ids, ask.params)
+            self._counted.fallbacks += 1
+            self.metrics.fallbacks.labels(reason="no_prefill").inc()
+        self._count(self._decode.counters)
+        return outputs
+
+    def _count(self, c: TransferCounters) -> None:
+        """The decode role's counters since the last call, into the metrics."""
+        seen = self._counted
+        self.metrics.transfer_bytes.inc(c.transferred_bytes - seen.transferred_bytes)
+        if c.fallbacks > seen.fallbacks:
+            self.metrics.fallbacks.labels(reason="transfer").inc(c.fallbacks - seen.fallbacks)
+        for s in c.latencies_s:
+            self.metrics.transfer_seconds.observe(s)
+        c.latencies_s.clear()  # observed: the role's list only holds those since the last call
+        self._counted = TransferCounters(c.transfers, c.transferred_bytes, c.fallbacks)
+
+    def _after_prefill_step(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        assert self._prefill is not None
+        keep = [o for o in outputs if o.rid not in self._decode_of]
+        for out in [o for o in outputs if o.rid in self._decode_of]:  # ended at the first token
+            done = PrefillDone(
+                out.rid, 0, out.new_token_ids, out.cached_tokens, 0, b"", b"", out.logprobs,
+                out.prompt_logprobs, True, out.finish_reason,
+            )  # fmt: skip
+            self._publish(handoff_subject(self._decode_of.pop(out.rid)), done)
+        for h in self._prefill.take_handoffs():
+            self.metrics.handoffs.inc()
+            o = h.output
+            done = PrefillDone(
+                h.rid, h.seed, o.new_token_ids, o.cached_tokens, h.num_pages, h.agent_metadata, h.descs,
+                o.logprobs, o.prompt_logprobs,
+            )  # fmt: skip
+            self._publish(handoff_subject(self._decode_of.pop(h.rid)), done)
+        self._prefill.release_older_than(self.handoff_timeout_s)
+        return keep
+
+    def _add_prefill(self, engine: Engine, ask: PrefillAsk) -> list[RequestOutput]:
+        self._roles(engine)
+        assert self._prefill is not None
+        try:
+            self._prefill.add(ask.rid, ask.input_ids, ask.sampling)
+        except KubesglError as e:  # the decode side checked it too: it prefills it itself after the timeout
+            log.warning("prefill of %s refused: %s", ask.rid, e)
+            return []
+        self._decode_of[ask.rid] = ask.decode_instance
+        return []
+
+    def _release(self, engine: Engine, rid: str) -> list[RequestOutput]:
+        if self._prefill is not None:
+            self._prefill.release(rid)
+        return []
+
+    def _received(self, engine: Engine, done: PrefillDone) -> list[RequestOutput]:
+        self._roles(engine)
+        assert self._decode is not None
+        ask = self._asked.pop(done.rid, None)
+        if ask is None:  # aborted, or prefilled here already: the prefill side's pages can go
+            return []
+        n = len(ask.input_ids)
+        out = RequestOutput(
+            done.rid, done.new_token_ids, n, done.cached_tokens, len(done.new_token_ids), done.finished,
+            done.finish_reason, done.logprobs, done.prompt_logprobs,
+        )  # fmt: skip
+        if done.finished:
+            return [out]
+        handoff = KvHandoff(
+            done.rid, done.seed, out, done.logprobs or [], done.num_pages, done.agent_metadata, done.descs
+        )
+        first = self._decode.receive(ask.input_ids, ask.params, handoff)
+        if self._decode.pulling(done.rid):
+            self._prefill_of[done.rid] = ask.prefill_instance
+        elif done.num_pages:  # fell back at once: the prefill side's pages can go
+            self._publish(prefill_subject(ask.prefill_instance), KvRelease(done.rid))
+        return [first]
+
+    def abort(self, engine: Engine, rid: str) -> None:
+        self._asked.pop(rid, None)
+        self._decode_of.pop(rid, None)
+        if self._decode is not None:
+            self._decode.abort(rid)
