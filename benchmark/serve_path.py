@@ -72,7 +72,7 @@ class FakeEngine:
         self._waiting: deque[tuple[str, int, int]] = deque()  # rid, prompt tokens, max tokens
         self._running: dict[str, list[int]] = {}  # rid -> [emitted, max tokens, prompt tokens]
 
-    def add_request(self, rid: str, input_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, rid: str, input_ids: list[int], params: SamplingParams, output_ids=()) -> None:
         self._waiting.append((rid, len(input_ids), params.max_tokens or 16))
 
     def abort(self, rid: str) -> None:

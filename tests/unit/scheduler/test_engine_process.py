@@ -39,7 +39,7 @@ class FakeEngine:
         self._running: dict[str, list[int]] = {}  # rid -> [prompt sum, emitted, max tokens, prompt len]
         self._order: deque[str] = deque()
 
-    def add_request(self, rid: str, input_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, rid: str, input_ids: list[int], params: SamplingParams, output_ids=()) -> None:
         if rid == "bad":
             raise InvalidRequestError("the fake refuses this request", param="max_tokens")
         self._running[rid] = [sum(input_ids), 0, params.max_tokens or 1_000_000, len(input_ids)]
