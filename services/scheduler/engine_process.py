@@ -7,7 +7,7 @@ pickled objects). EngineProcess below has EngineLoop's interface, so SchedulerSe
 it drives. Inside the engine process the ordinary EngineLoop thread steps the engine; the process's main thread
 only moves commands from the pipe to it and sends the latest stats snapshot on.
 
-Messages, service -> engine: ("add", token, rid, input_ids, params) | ("abort", rid) | ("stats", token) |
+Messages, service -> engine: ("add", token, rid, input_ids, params, output_ids) | ("abort", rid) | ("stats", token) |
 ("kv_snapshot", token) | ("stop",). Engine -> service: ("loaded", info, stats) | ("outputs", outputs,
 step_start_ns) | ("kv", stored, removed) | ("stats", stats) | ("done", token, result) | ("fatal", error).
 Per-request telemetry (spans, latency histograms) stays in the service process: the engine sends when each
@@ -106,7 +106,7 @@ class EngineProcess:
     def submit(self, command: Command) -> None:
         if isinstance(command, AddRequest):
             token = self._expect(command.done)
-            self._send(("add", token, command.rid, command.input_ids, command.params))
+            self._send(("add", token, command.rid, command.input_ids, command.params, command.output_ids))
         elif isinstance(command, AbortRequest):
             self._send(("abort", command.rid))
         elif isinstance(command, QueryStats):
@@ -120,9 +120,13 @@ class EngineProcess:
         """Stops the engine after the commands already sent and waits for its process to exit."""
         self._stopping = True
         self._send(("stop",))
+        start = time.monotonic()
         self._proc.join(timeout_s)
         if self._proc.is_alive():
-            log.error("engine process did not stop within %.0f s; killing it", timeout_s)
+            waited = time.monotonic() - start
+            log.error(
+                "engine process still running %.1f s after stop (limit %.0f s); killing it", waited, timeout_s
+            )
             self._proc.kill()
             self._proc.join(5.0)
         self._reader.join(5.0)
@@ -255,8 +259,8 @@ def run_engine_process(
             if kind == "stop":
                 break
             if kind == "add":
-                _, token, rid, input_ids, params = message
-                loop.submit(AddRequest(rid, input_ids, params, reply(token)))
+                _, token, rid, input_ids, params, output_ids = message
+                loop.submit(AddRequest(rid, input_ids, params, reply(token), output_ids))
             elif kind == "abort":
                 loop.submit(AbortRequest(message[1]))
             elif kind == "stats":

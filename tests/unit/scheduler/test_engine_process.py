@@ -28,7 +28,8 @@ WAIT_S = 60.0  # only a broken boundary waits this long: a spawned interpreter s
 
 
 class FakeEngine:
-    """A FAKE engine: each step gives every running request one token derived from its prompt and position;
+    """A FAKE engine: each step gives every running request one token derived from its prompt and position (a
+    resume admission's `output_ids` are the positions already generated);
     rid "bad" is refused at admission, rid "crash" kills the process at the next step (exit code 3)."""
 
     def __init__(self, seed: int) -> None:
@@ -42,7 +43,7 @@ class FakeEngine:
     def add_request(self, rid: str, input_ids: list[int], params: SamplingParams, output_ids=()) -> None:
         if rid == "bad":
             raise InvalidRequestError("the fake refuses this request", param="max_tokens")
-        self._running[rid] = [sum(input_ids), 0, params.max_tokens or 1_000_000, len(input_ids)]
+        self._running[rid] = [sum(input_ids), len(output_ids), params.max_tokens or 1_000_000, len(input_ids)]
 
     def abort(self, rid: str) -> None:
         self._running.pop(rid, None)
@@ -104,9 +105,12 @@ class Side:
     def __exit__(self, *exc: object) -> None:
         self.engine.stop(WAIT_S)
 
-    def add(self, rid: str, input_ids: list[int], max_tokens: int | None) -> KubesglError | None:
+    def add(
+        self, rid: str, input_ids: list[int], max_tokens: int | None, output_ids: list[int] | None = None
+    ) -> KubesglError | None:
         result: queue.SimpleQueue[KubesglError | None] = queue.SimpleQueue()
-        self.engine.submit(AddRequest(rid, input_ids, SamplingParams(max_tokens=max_tokens), result.put))
+        params = SamplingParams(max_tokens=max_tokens)
+        self.engine.submit(AddRequest(rid, input_ids, params, result.put, output_ids or []))
         return result.get(timeout=WAIT_S)
 
     def stats(self) -> EngineStats:
@@ -125,6 +129,19 @@ def test_outputs_cross_the_pipe_unchanged() -> None:
         got = [side.outputs.get(timeout=WAIT_S) for _ in expected]
         assert got == expected
         assert side.engine.telemetry is not None  # made on the service side from the engine's ModelInfo
+
+
+def test_a_resume_admission_crosses_with_its_output_so_far() -> None:
+    """A migrated request's output_ids reach the engine: it continues where the dead instance stopped."""
+    seed = 20261206
+    local = FakeEngine(seed)
+    local.add_request("a", [5, 6, 7], SamplingParams(max_tokens=9))
+    expected = [out for _ in range(9) for out in local.step()]
+    with Side(seed) as side:
+        done = [t for out in expected[:4] for t in out.new_token_ids]
+        assert side.add("a", [5, 6, 7], 9, done) is None
+        got = [side.outputs.get(timeout=WAIT_S) for _ in expected[4:]]
+        assert got == expected[4:]
 
 
 def test_a_refused_admission_crosses_with_its_error() -> None:

@@ -530,6 +530,10 @@ class MigrationMetrics:
             buckets=TTFT_BUCKETS,
             registry=registry,
         )
+        for outcome in ("migrated", "failed"):
+            # Both series exist from the start at 0, so the first migration is an increase that rate() and
+            # increase() (KubesglMigrationStorm) see, not a series appearing already counted.
+            self._migrated.labels(outcome)
 
     def on_migration(self, outcome: str, seconds: float) -> None:
         self._migrated.labels(outcome).inc()
