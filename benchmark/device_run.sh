@@ -119,6 +119,35 @@ case "$mode" in
     kill -INT $UP; wait $UP
     grep -E "Traceback|Error" "$OUT/serve_up.log" | head -5
     ;;
+  engproc)  # issue 22: the engine in its own process (default) against the engine on the scheduler service's
+            # thread (--no-engine-process), same call, 256 streams through one gateway each way (seed 1), py-spy
+            # on the engine's process for 8 s of each run (engproc_<cfg>.pyspy: collapsed stacks), the services'
+            # CPU per token (engproc_cpu.txt); then the offline LLM on the same requests beside the second stack.
+            # Pools sized so that both engines fit one 80 GB H100 at once (SERVE_KV overrides). ~5 min.
+    M=/tmp/kubesgl-serve/Qwen3-0.6B; P=8000
+    W="--num-seqs 256 --min-input 100 --max-input 1024 --min-output 100 --max-output 1024"
+    KV=${SERVE_KV:---page-size 16 --num-pages 17000}
+    python3 -c "from kubesgl.models.random_init import write_serving_config as w; w('Qwen3-0.6B', '$M')"
+    for cfg in proc thread; do
+      extra=""; [ $cfg = thread ] && extra="--no-engine-process"
+      timeout 300 python3 -m kubesgl.cli up --model $M --device cuda --port $P --base-port $((P + 100)) \
+        --detokenizers 2 --scheduler-args "--dummy-weight $KV $extra" > "$OUT/engproc_up_$cfg.log" 2>&1 &
+      UP=$!
+      python3 benchmark/wait_models.py http://127.0.0.1:$P 150 || { tail -20 "$OUT/engproc_up_$cfg.log"; kill -INT $UP; continue; }
+      sched=$(pgrep -f "kubesgl.cli scheduler" | head -1); eng=$(pgrep -P "$sched" -f spawn_main | tail -1)
+      target=${eng:-$sched}; echo "engproc $cfg: scheduler $sched engine $target"
+      C="python3 benchmark/service_cpu.py snapshot $UP"
+      offline=""; [ $cfg = thread ] && offline="--model $M --dummy-weight --device cuda $KV"
+      $C $cfg >> $OUT/engproc_cpu.jsonl
+      (sleep 6; timeout 30 py-spy record --threads --nonblocking -d 8 -r 200 -f raw -o "$OUT/engproc_$cfg.pyspy" -p $target > "$OUT/engproc_pyspy_$cfg.txt" 2>&1) &
+      timeout 200 python3 -m kubesgl.cli bench serve $W --seed 1 --url http://127.0.0.1:$P --json $OUT/engproc.jsonl $offline 2>&1 | grep -v Warn | tail -14
+      $C $cfg >> $OUT/engproc_cpu.jsonl
+      wait %2 2>/dev/null
+      kill -INT $UP; wait $UP
+    done
+    python3 benchmark/service_cpu.py summary "$OUT/engproc_cpu.jsonl" "$OUT/engproc.jsonl" | tee "$OUT/engproc_cpu.txt"
+    for f in "$OUT"/engproc_*.pyspy; do [ -f "$f" ] && python3 benchmark/pyspy_top.py "$f" | tee "${f%.pyspy}.top.txt"; done
+    ;;
   json)  # structured outputs: the grammar GPU test, then unconstrained against 10% JSON-schema requests, same call
     timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/structured/test_structured_engine.py 2>&1 | tail -4 \
       | tee "$OUT/gpu_tests_json.txt"
