@@ -28,6 +28,7 @@ B="python3 -m kubesgl.cli bench offline --json $OUT/bench.jsonl"
 for mode in "${@:-final}"; do
 case "$mode" in
   quick) $B --model Qwen3-0.6B --num-seqs 32 ;;
+  offline) $B --model Qwen3-0.6B ${OFFLINE_ARGS:-} 2>&1 | tail -4 ;;  # the seed workload alone (OFFLINE_ARGS: its flags)
   a)
     $B --model Qwen3-0.6B --hf-baseline 32
     $B --model Qwen3-0.6B --disable-overlap
@@ -121,12 +122,14 @@ case "$mode" in
     ;;
   engproc)  # issue 22: the engine in its own process (default) against the engine on the scheduler service's
             # thread (--no-engine-process), same call, 256 streams through one gateway each way (seed 1), py-spy
-            # on the engine's process for 8 s of each run (engproc_<cfg>.pyspy: collapsed stacks), the services'
+            # (50 Hz, blocking: --nonblocking lost the engine thread's samples) on the engine's process for 8 s of each run (engproc_<cfg>.pyspy: collapsed stacks), the services'
             # CPU per token (engproc_cpu.txt); then the offline LLM on the same requests beside the second stack.
             # Pools sized so that both engines fit one 80 GB H100 at once (SERVE_KV overrides). ~5 min.
     M=/tmp/kubesgl-serve/Qwen3-0.6B; P=8000
     W="--num-seqs 256 --min-input 100 --max-input 1024 --min-output 100 --max-output 1024"
-    KV=${SERVE_KV:---page-size 16 --num-pages 17000}
+    # --cuda-graph-max-bs 256 for both engines, as Mini-SGLang's benchmark sets it (the auto limit is 160 on an
+    # 80 GB card: on the H100 a decode step of more than 160 rows would run eager).
+    KV=${SERVE_KV:---page-size 16 --num-pages 17000 --cuda-graph-max-bs 256}
     python3 -c "from kubesgl.models.random_init import write_serving_config as w; w('Qwen3-0.6B', '$M')"
     for cfg in proc thread; do
       extra=""; [ $cfg = thread ] && extra="--no-engine-process"
@@ -139,7 +142,7 @@ case "$mode" in
       C="python3 benchmark/service_cpu.py snapshot $UP"
       offline=""; [ $cfg = thread ] && offline="--model $M --dummy-weight --device cuda $KV"
       $C $cfg >> $OUT/engproc_cpu.jsonl
-      (sleep 6; timeout 30 py-spy record --threads --nonblocking -d 8 -r 200 -f raw -o "$OUT/engproc_$cfg.pyspy" -p $target > "$OUT/engproc_pyspy_$cfg.txt" 2>&1) &
+      (sleep 6; timeout 30 py-spy record --threads -d 8 -r 50 -f raw -o "$OUT/engproc_$cfg.pyspy" -p $target > "$OUT/engproc_pyspy_$cfg.txt" 2>&1) &
       timeout 200 python3 -m kubesgl.cli bench serve $W --seed 1 --url http://127.0.0.1:$P --json $OUT/engproc.jsonl $offline 2>&1 | grep -v Warn | tail -14
       $C $cfg >> $OUT/engproc_cpu.jsonl
       wait %2 2>/dev/null

@@ -78,6 +78,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=1, help="offline LLM page size (match the scheduler's)")
     p.add_argument("--num-pages", type=int, default=None, help="offline LLM KV pages")
     p.add_argument(
+        "--cuda-graph-max-bs", type=int, default=None, help="offline LLM graph batch limit (match the scheduler's)"
+    )
+    p.add_argument(
         "--dummy-weight", action="store_true", help="offline LLM on random weights (as the scheduler's flag)"
     )
     p.add_argument("--json", default=None, help="append the figures as one JSON line to this file")
@@ -266,6 +269,7 @@ def _offline(args: argparse.Namespace, prompts: list[list[int]], max_tokens: lis
         page_size=args.page_size,
         num_pages=args.num_pages,
         dummy_weight=args.dummy_weight,
+        cuda_graph_max_bs=args.cuda_graph_max_bs,
     )
     try:
         llm.generate([prompts[0][:8]], SamplingParams(max_tokens=2))  # warm-up
