@@ -13,8 +13,10 @@ def main(path: str, n: int = 25) -> None:
     anywhere: Counter[str] = Counter()
     threads: Counter[str] = Counter()
     total = 0
-    for line in open(path, encoding="utf-8", errors="replace"):
-        stack, _, count = line.rstrip("\n").rpartition(" ")
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = f.read().splitlines()
+    for line in lines:
+        stack, _, count = line.rpartition(" ")
         if not stack or not count.isdigit():
             continue
         k = int(count)

@@ -78,7 +78,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=1, help="offline LLM page size (match the scheduler's)")
     p.add_argument("--num-pages", type=int, default=None, help="offline LLM KV pages")
     p.add_argument(
-        "--cuda-graph-max-bs", type=int, default=None, help="offline LLM graph batch limit (match the scheduler's)"
+        "--cuda-graph-max-bs",
+        type=int,
+        default=None,
+        help="offline LLM graph batch limit (match the scheduler's)",
     )
     p.add_argument(
         "--dummy-weight", action="store_true", help="offline LLM on random weights (as the scheduler's flag)"
