@@ -136,7 +136,9 @@ def build_app(config: GatewayConfig, board: WorkerBoard | None = None, index: in
         bus = GatewayBus(
             nc, config.gateway_id, SchedulerRegistry(), metrics.nats, config.tokenize_attempt_timeout_s
         )
-        bus.migration = MigrationPolicy(config.max_migrations, metrics.migrations, tracing)
+        bus.migration = MigrationPolicy(
+            config.max_migrations, metrics.migrations, tracing, config.max_migration_seconds
+        )
         await bus.start()
         app.state.gateway = Gateway(config, bus, metrics, tracing)
         log.info("gateway %s serving on http://%s:%d", config.gateway_id, config.host, config.port)

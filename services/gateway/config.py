@@ -32,6 +32,7 @@ class GatewayConfig:
     log_level: str = "info"
     workers: int = 1  # gateway processes on this port (services/gateway/workers.py)
     max_migrations: int = 3  # per choice: re-admissions after its scheduler instance died (0 = none)
+    max_migration_seconds: float = 30.0  # per choice: the pause its migrations may add to its stream
 
 
 def default_gateway_id() -> str:
@@ -97,6 +98,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=3,
         help="times one choice may move to another scheduler instance when its own dies mid-stream (0: it fails)",
     )
+    parser.add_argument(
+        "--max-migration-seconds",
+        type=float,
+        default=30.0,
+        help="the pause one choice's migrations may add to its stream, summed (from its last delta before its "
+        "instance was declared dead to its resumed admission); past it the stream fails",
+    )
     parser.add_argument("--log-level", default="info")
     parser.add_argument(
         "--workers",
@@ -130,4 +138,5 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         log_level=args.log_level,
         workers=args.workers,
         max_migrations=args.max_migrations,
+        max_migration_seconds=args.max_migration_seconds,
     )

@@ -4,6 +4,7 @@ when the deadline passes, output stops, the admitting scheduler vanishes or the 
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -65,6 +66,7 @@ class ChoiceGeneration:
     _tokens: list[int] = field(default_factory=list, repr=False)  # streamed so far: what a migration resumes
     _prompt_logprobs_sent: bool = field(default=False, repr=False)
     _migrations: int = field(default=0, repr=False)
+    _migration_s: float = field(default=0.0, repr=False)  # the pause its migrations added, summed
     _epoch: str = field(
         default="", repr=False
     )  # the admitting instance's process epoch (its restart is its death)
@@ -97,7 +99,7 @@ class ChoiceGeneration:
             delta = await self._stream.next(min(_POLL_S, left))
             if delta is None:
                 if self._instance_gone():
-                    await self._migrate()
+                    await self._migrate(last_output)
                     last_output = time.monotonic()
                     continue
                 self._raise_if_stuck(last_output)
@@ -173,16 +175,21 @@ class ChoiceGeneration:
         instance = self._stream.instance_id
         return instance is not None and self.bus.scheduler_gone(instance, self._epoch)
 
-    async def _migrate(self) -> None:
+    async def _migrate(self, paused_since: float) -> None:
         """The admitting instance died: the choice is admitted again elsewhere as its prompt plus the tokens
-        streamed so far (migration.py), or, past its budget or if no instance takes it, fails clearly."""
+        streamed so far (migration.py), or, past its budget (moves, or pause added since `paused_since`, its
+        last delta) or if no instance takes it, fails clearly."""
         assert self._stream is not None and self._stream.instance_id is not None
         instance, policy = self._stream.instance_id, self.bus.migration
         lost = f"scheduler instance {instance} stopped responding; the request was lost"
-        if self._migrations >= policy.max_migrations:
+        left_s = policy.max_seconds - self._migration_s - (time.monotonic() - paused_since)
+        if self._migrations >= policy.max_migrations or left_s <= 0:
             if policy.max_migrations:
                 policy.started(self.request.rid, instance, len(self._tokens), None).failed("budget")
-                lost += f" (it had moved {self._migrations} times already)"
+                if self._migrations >= policy.max_migrations:
+                    lost += f" (it had moved {self._migrations} times already)"
+                else:
+                    lost += f" (moving it would pause its stream past {policy.max_seconds:g} s)"
             raise ServiceUnavailableError(lost)
         self._migrations += 1
         migration = policy.started(self.request.rid, instance, len(self._tokens), self.traceparent)
@@ -192,10 +199,17 @@ class ChoiceGeneration:
             self.request, self._migrations, self._tokens, self._prompt_logprobs_sent
         )
         try:
-            admitted = await self.admit()
+            admitted = await asyncio.wait_for(self.admit(), left_s)
+        except TimeoutError:
+            migration.failed("budget")
+            raise ServiceUnavailableError(
+                f"{lost}; no other instance took it within the {policy.max_seconds:g} s migration budget"
+            ) from None
         except KubesglError as e:
             migration.failed(str(e))
             raise ServiceUnavailableError(f"{lost}; moving it to another instance failed: {e}") from e
+        finally:
+            self._migration_s += time.monotonic() - paused_since
         migration.admitted(admitted.instance_id)
 
 

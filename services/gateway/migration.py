@@ -21,16 +21,20 @@ from kubesgl.service.telemetry.tracing import Tracing
 log = logging.getLogger("kubesgl.gateway")
 
 DEFAULT_MAX_MIGRATIONS = 3
+DEFAULT_MAX_MIGRATION_SECONDS = 30.0
 
 
 @dataclass(frozen=True)
 class MigrationPolicy:
-    """How often one choice may move (`max_migrations`; 0 = never: its stream fails with the instance), and
-    where migrations are counted and traced."""
+    """A choice's migration budget: how often it may move (`max_migrations`; 0 = never: its stream fails with
+    the instance) and how much pause the moves may add to its stream (`max_seconds`: from its last delta before
+    its instance was declared dead to the resumed admission, summed over its moves); and where migrations are
+    counted and traced."""
 
     max_migrations: int = DEFAULT_MAX_MIGRATIONS
     metrics: MigrationMetrics | None = None
     tracing: Tracing | None = None
+    max_seconds: float = DEFAULT_MAX_MIGRATION_SECONDS
 
     def started(self, rid: str, instance: str, resumed: int, traceparent: str | None) -> Migration:
         log.warning(

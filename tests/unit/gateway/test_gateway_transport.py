@@ -397,6 +397,38 @@ async def test_a_vanished_schedulers_stream_moves_to_another_instance(gateway, n
         await mesh.stop()
 
 
+async def test_a_migration_that_would_pause_the_stream_past_its_budget_fails_clearly(
+    nats_url: str, tmp_path: Path
+) -> None:
+    """--max-migration-seconds bounds the pause migrations add to a stream (from its last delta to the resumed
+    admission): declaring an instance dead alone takes its heartbeat expiry (seconds), past a 1 s budget, so the
+    stream ends with a clear error naming the budget, and no resumed request is sent."""
+    for gw in _gateway(nats_url, tmp_path, "--max-migration-seconds", "1"):
+        mesh = await _mesh_for(gw, nats_url, instance="sched-slow")
+        mesh.reply = lambda req: Admitted(
+            rid=req.rid, instance_id="sched-next" if req.output_ids else "sched-slow", prompt_tokens=3
+        )
+        mesh.plan = lambda req: [_delta(req.rid, "sched-slow", 0, "partial")]  # then silence
+        try:
+            async with (
+                httpx.AsyncClient(base_url=gw.url, timeout=30) as client,
+                client.stream("POST", "/v1/chat/completions", json=_chat(stream=True)) as s,
+            ):
+                lines = s.aiter_lines()
+                async for line in lines:
+                    if "partial" in line:
+                        break
+                mesh.heartbeating = False
+                rest = [json.loads(x[6:]) if x != "data: [DONE]" else "[DONE]" async for x in lines if x]
+            assert rest[-1] == "[DONE]"
+            error = rest[-2]["error"]
+            assert error["type"] == "service_unavailable", error
+            assert "sched-slow" in error["message"] and "past 1 s" in error["message"], error
+            assert not any(r.output_ids for r in mesh.requests)
+        finally:
+            await mesh.stop()
+
+
 async def test_a_stop_string_truncates_the_text_and_aborts_the_scheduler(gateway, mesh) -> None:
     mesh.plan = lambda req: [
         _delta(req.rid, mesh.instance, 0, "Hello"),
