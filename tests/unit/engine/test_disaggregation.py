@@ -28,7 +28,7 @@ import pytest
 import torch
 from kubesgl import LLM, SamplingParams
 from kubesgl.engine.engine import Engine
-from kubesgl.engine.scheduler.disagg import DecodeRole, KvHandoff, PrefillRole
+from kubesgl.engine.scheduler.disagg import DecodeRole, KvHandoff, PrefillRole, TransferOutcome
 from kubesgl.kv.kv_transfer import KvTransferAgent
 from kubesgl.models.random_init import build_random_model
 from kubesgl.values.constraint import Constraint
@@ -144,12 +144,18 @@ def _same(got: list[dict[str, Any]], want: list[dict[str, Any]]) -> None:
 
 def test_greedy_matches_colocated_over_chunks_and_prefix_hits(family: Family) -> None:
     both, pair = family.both, family.pair
+    pair.d_role.take_ended()
     shared = _prompt(24, 1)  # six pages
     # Three chunks; the shared prefix; one page and a token; shorter than a page (nothing to pull).
     first = [_prompt(37, 2), shared + _prompt(9, 3), _prompt(5, 4), _prompt(3, 5)]
     _same(pair.generate(first, GREEDY), both.generate(first, GREEDY))
     c = pair.d_role.counters
     assert c.transfers == 3 and c.fallbacks == 0 and c.transferred_bytes > 0
+    ends = pair.d_role.take_ended()  # what the decode instance's kv transfer spans are made of
+    assert sorted((e.outcome, e.pages) for e in ends) == [
+        (TransferOutcome.OK, n // PAGE) for n in (5, 33, 37)
+    ]
+    assert sum(e.nbytes for e in ends) == c.transferred_bytes and all(e.seconds > 0 for e in ends)
     # Both sides now cache the shared prefix: the prefill engine computed it, the decode engine pulled it.
     assert _holds(pair.prefill, shared) and _holds(pair.decode, shared)
     # n = 2 (two requests of one prompt), and another prompt on the prefix.
@@ -240,7 +246,9 @@ def test_failed_transfer_falls_back_to_prefill_on_decode(family: Family) -> None
     pair.p_role.release("f")
     dead = KvHandoff(h.rid, h.seed, h.output, h.logprobs, h.num_pages, b"not an agent", h.descs)
     before = pair.d_role.counters.fallbacks
+    pair.d_role.take_ended()
     pair.receive(dead)
+    assert [e.outcome for e in pair.d_role.take_ended()] == [TransferOutcome.UNREACHABLE]
     got = pair.run()
     assert got["f"]["token_ids"] == want["token_ids"]
     assert pair.d_role.counters.fallbacks == before + 1
@@ -263,7 +271,9 @@ def test_abort_mid_transfer_ends_request_and_frees_pages(family: Family) -> None
     while not handoffs:
         handoffs = pair.step_prefill()
     pair.receive(handoffs[0])
+    pair.d_role.take_ended()
     pair.d_role.abort("ab")
+    assert [e.outcome for e in pair.d_role.take_ended()] == [TransferOutcome.ABORTED]
     got = pair.run()
     assert got["ab"]["finish_reason"] == FinishReason.ABORT
     while pair.d_role.busy:
