@@ -36,7 +36,6 @@ from kubesgl.kv.kv_transfer import KvTransferAgent
 from kubesgl.protocol import (
     GenerateRequest,
     KvRelease,
-    Message,
     PrefillAsk,
     PrefillDone,
     ProtocolError,
@@ -128,16 +127,17 @@ class PdHook:
     def _publish(
         self,
         subject: str,
-        message: Message,
+        message: PrefillAsk | PrefillDone | KvRelease,
         hdrs: dict[str, str] | None = None,
         sent: Callable[[], None] | None = None,
     ) -> None:
-        """From the engine thread: hands the publish to the event loop (which calls `sent` once it is out)."""
-        send = self._send(subject, message.to_bytes(), hdrs, sent)
+        """From the engine thread: hands the publish to the event loop (which calls `sent` once it is out).
+        `hdrs`: the message's headers, by default its rid's."""
+        send = self._send(subject, message.to_bytes(), hdrs or headers(message.rid), sent)
         self._loop.call_soon_threadsafe(self._tasks.spawn, send)
 
     async def _send(
-        self, subject: str, data: bytes, hdrs: dict[str, str] | None, sent: Callable[[], None] | None
+        self, subject: str, data: bytes, hdrs: dict[str, str], sent: Callable[[], None] | None
     ) -> None:
         try:
             await self.nc.publish(subject, data, headers=hdrs)
