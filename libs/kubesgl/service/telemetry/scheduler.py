@@ -189,7 +189,7 @@ class SchedulerTelemetry:
             SPAN_KV_TRANSFER, t.parent, {**attrs, ATTR_KV_OUTCOME: outcome}, start_time_ns=start_ns
         )
         if outcome != "ok":
-            span.set_status(Status(StatusCode.ERROR, f"prefilled here instead: {outcome}"))
+            span.set_status(Status(StatusCode.ERROR, f"no KV pulled: {outcome}"))
         span.end(end_time=end_ns)
 
     # -- disaggregation: the prefill instance ---------------------------------------------------------
