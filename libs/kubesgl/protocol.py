@@ -13,6 +13,7 @@ honour). Subjects carry the protocol version (`kubesgl.v2.`); v1 and v2 services
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, NamedTuple, Self, TypeVar
@@ -192,6 +193,12 @@ def header_deadline(hdrs: dict[str, str] | None) -> float | None:
         return float(raw) if raw is not None else None
     except ValueError:
         return None
+
+
+def header_traceparent(hdrs: Mapping[str, str] | None) -> str | None:
+    """The W3C `traceparent` in message headers; None when absent (tracing off, or a sender from before the
+    message carried one: its receiver makes no span, as for any unsampled request)."""
+    return (hdrs or {}).get(HEADER_TRACEPARENT) or None
 
 
 M = TypeVar("M", bound="Message")

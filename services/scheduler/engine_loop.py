@@ -73,7 +73,7 @@ class StepHook(Protocol):
     @property
     def busy(self) -> bool: ...  # work pending outside the engine (KV pulls): the loop keeps turning
 
-    def loaded(self, engine: Engine) -> None: ...  # before the instance announces itself
+    def loaded(self, engine: Engine, telemetry: SchedulerTelemetry) -> None: ...  # before it announces itself
 
     def after_step(self, engine: Engine, outputs: list[RequestOutput]) -> list[RequestOutput]: ...
 
@@ -133,7 +133,7 @@ class EngineLoop:
         try:
             self.telemetry = self._make_telemetry(engine.info)
             if self.hook is not None:
-                self.hook.loaded(engine)
+                self.hook.loaded(engine, self.telemetry)
             self.stats = engine.stats()
             self._on_loaded(engine.info)
             self._loop(engine, self.telemetry)

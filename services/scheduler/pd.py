@@ -7,6 +7,10 @@ the pull's end sends KvRelease. No PrefillDone within the handoff timeout (a dea
 failed pull, or a refused one: the request is prefilled here. Prefill instance: PrefillAsk -> a hand-off request;
 its handoff (or its end at the first token) -> PrefillDone to the decode instance; its pages stay locked until
 KvRelease, or the handoff timeout.
+
+Traces: the PrefillAsk carries the request's `traceparent` in its headers, as every admission does; the prefill
+instance's `prefill` span (PrefillAsk in, PrefillDone sent) and the decode instance's `kv transfer` span join the
+request's trace there (SchedulerTelemetry's disaggregation calls).
 """
 
 from __future__ import annotations
@@ -24,23 +28,26 @@ from kubesgl.engine.scheduler.disagg import (
     DisaggregationMode,
     KvHandoff,
     PrefillRole,
-    TransferCounters,
+    TransferEnd,
+    TransferOutcome,
 )
 from kubesgl.errors import KubesglError
 from kubesgl.kv.kv_transfer import KvTransferAgent
 from kubesgl.protocol import (
     GenerateRequest,
     KvRelease,
-    Message,
     PrefillAsk,
     PrefillDone,
     ProtocolError,
     decode,
     handoff_subject,
+    header_traceparent,
+    headers,
     prefill_subject,
 )
 from kubesgl.service.lifecycle import TaskGroup
 from kubesgl.service.telemetry.metrics import DisaggregationMetrics
+from kubesgl.service.telemetry.scheduler import SchedulerTelemetry
 from kubesgl.services.scheduler.engine_loop import Command, RunOnEngine
 from kubesgl.values.outputs import RequestOutput
 from kubesgl.values.sampling import SamplingParams
@@ -71,9 +78,9 @@ class PdHook:
         self._loop, self._tasks = asyncio.get_running_loop(), TaskGroup()
         self.handoff_timeout_s = handoff_timeout_s
         self.metrics = metrics
-        self._counted = TransferCounters()  # the decode role's counters as last put in the metrics
         self.submit: Callable[[Command], None] = lambda c: None  # the engine loop's, set by the service
         # Engine thread only, from here on.
+        self._telemetry: SchedulerTelemetry | None = None  # the engine loop's, once the model is loaded
         self._prefill: PrefillRole | None = None
         self._decode: DecodeRole | None = None
         self._asked: dict[str, _Ask] = {}  # decode: requests waiting for their PrefillDone
@@ -95,8 +102,9 @@ class PdHook:
                 done(e)
                 return []
             self._asked[req.rid] = _Ask(req.input_ids, req.sampling, req.prefill_instance, time.monotonic())
+            trace = self.telemetry.on_remote_prefill(req.rid)
             ask = PrefillAsk(req.rid, self.instance_id, req.input_ids, req.sampling, req.deadline)
-            self._publish(prefill_subject(req.prefill_instance), ask)
+            self._publish(prefill_subject(req.prefill_instance), ask, headers(req.rid, req.deadline, trace))
             done(None)
             return []
 
@@ -109,26 +117,45 @@ class PdHook:
             log.warning("ignoring malformed disaggregation message: %s", e)
             return
         if isinstance(m, PrefillAsk):
-            self.submit(RunOnEngine(lambda engine: self._add_prefill(engine, m)))
+            trace, at_ns = header_traceparent(msg.headers), time.time_ns()
+            self.submit(RunOnEngine(lambda engine: self._add_prefill(engine, m, trace, at_ns)))
         elif isinstance(m, KvRelease):
             self.submit(RunOnEngine(lambda engine: self._release(engine, m.rid)))
         else:
             self.submit(RunOnEngine(lambda engine: self._received(engine, m)))
 
-    def _publish(self, subject: str, message: Message) -> None:
-        """From the engine thread: hands the publish to the event loop."""
-        self._loop.call_soon_threadsafe(self._tasks.spawn, self._send(subject, message.to_bytes()))
+    def _publish(
+        self,
+        subject: str,
+        message: PrefillAsk | PrefillDone | KvRelease,
+        hdrs: dict[str, str] | None = None,
+        sent: Callable[[], None] | None = None,
+    ) -> None:
+        """From the engine thread: hands the publish to the event loop (which calls `sent` once it is out).
+        `hdrs`: the message's headers, by default its rid's."""
+        send = self._send(subject, message.to_bytes(), hdrs or headers(message.rid), sent)
+        self._loop.call_soon_threadsafe(self._tasks.spawn, send)
 
-    async def _send(self, subject: str, data: bytes) -> None:
+    async def _send(
+        self, subject: str, data: bytes, hdrs: dict[str, str], sent: Callable[[], None] | None
+    ) -> None:
         try:
-            await self.nc.publish(subject, data)
+            await self.nc.publish(subject, data, headers=hdrs)
         except nats.errors.Error as e:  # the peer's timeouts cover a lost message
             log.warning("disaggregation message to %s not sent: %s", subject, e)
+        if sent is not None:
+            sent()
 
     # -- engine thread ----------------------------------------------------------------------------------
-    def loaded(self, engine: Engine) -> None:
+    @property
+    def telemetry(self) -> SchedulerTelemetry:
+        assert self._telemetry is not None, "set when the model is loaded, before any request comes"
+        return self._telemetry
+
+    def loaded(self, engine: Engine, telemetry: SchedulerTelemetry) -> None:
         """The NIXL agent starts and registers the KV cache here, before the first heartbeat: it holds the GIL
         for a while (0.5 s on an idle 2-core box), which must not delay the heartbeats of a live instance."""
+        self._telemetry = telemetry
         self._roles(engine)
 
     def _roles(self, engine: Engine) -> None:
@@ -149,28 +176,30 @@ class PdHook:
         if self._prefill is not None:
             return self._after_prefill_step(outputs)
         assert self._decode is not None
-        for rid in self._decode.poll():
+        ended = self._decode.poll()
+        self._report(self._decode.take_ended())  # while _prefill_of still names their prefill instances
+        for rid in ended:
             self._publish(prefill_subject(self._prefill_of.pop(rid)), KvRelease(rid))
         now = time.monotonic()
         for rid in [r for r, a in self._asked.items() if now - a.at > self.handoff_timeout_s]:
             ask = self._asked.pop(rid)
             log.warning("no prefill of %s from %s in time: prefilling it here", rid, ask.prefill_instance)
             self._decode.prefill_here(rid, ask.input_ids, ask.params)
-            self._counted.fallbacks += 1
             self.metrics.fallbacks.labels(reason="no_prefill").inc()
-        self._count(self._decode.counters)
+            self.telemetry.on_no_prefill(rid, ask.prefill_instance)
         return outputs
 
-    def _count(self, c: TransferCounters) -> None:
-        """The decode role's counters since the last call, into the metrics."""
-        seen = self._counted
-        self.metrics.transfer_bytes.inc(c.transferred_bytes - seen.transferred_bytes)
-        if c.fallbacks > seen.fallbacks:
-            self.metrics.fallbacks.labels(reason="transfer").inc(c.fallbacks - seen.fallbacks)
-        for s in c.latencies_s:
-            self.metrics.transfer_seconds.observe(s)
-        c.latencies_s.clear()  # observed: the role's list only holds those since the last call
-        self._counted = TransferCounters(c.transfers, c.transferred_bytes, c.fallbacks)
+    def _report(self, ends: list[TransferEnd]) -> None:
+        """Pulls whose outcome came: into the metrics, and each as its request's kv transfer span."""
+        for e in ends:
+            if e.outcome is TransferOutcome.OK:
+                self.metrics.transfer_bytes.inc(e.nbytes)
+                self.metrics.transfer_seconds.observe(e.seconds)
+            elif e.outcome is not TransferOutcome.ABORTED:
+                self.metrics.fallbacks.labels(reason="transfer").inc()
+            end_ns = e.started_ns + int(e.seconds * 1e9)
+            prefill = self._prefill_of.get(e.rid, "")
+            self.telemetry.on_transfer(e.rid, prefill, e.outcome, e.pages, e.nbytes, e.started_ns, end_ns)
 
     def _after_prefill_step(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         assert self._prefill is not None
@@ -180,7 +209,7 @@ class PdHook:
                 out.rid, 0, out.new_token_ids, out.cached_tokens, 0, b"", b"", out.logprobs,
                 out.prompt_logprobs, True, out.finish_reason,
             )  # fmt: skip
-            self._publish(handoff_subject(self._decode_of.pop(out.rid)), done)
+            self._send_done(self._decode_of.pop(out.rid), done)
         for h in self._prefill.take_handoffs():
             self.metrics.handoffs.inc()
             o = h.output
@@ -188,17 +217,29 @@ class PdHook:
                 h.rid, h.seed, o.new_token_ids, o.cached_tokens, h.num_pages, h.agent_metadata, h.descs,
                 o.logprobs, o.prompt_logprobs,
             )  # fmt: skip
-            self._publish(handoff_subject(self._decode_of.pop(h.rid)), done)
+            self._send_done(self._decode_of.pop(h.rid), done)
         self._prefill.release_older_than(self.handoff_timeout_s)
         return keep
 
-    def _add_prefill(self, engine: Engine, ask: PrefillAsk) -> list[RequestOutput]:
+    def _send_done(self, decode_instance: str, done: PrefillDone) -> None:
+        telemetry = self.telemetry
+
+        def sent() -> None:
+            telemetry.on_prefill_done(done.rid, done.cached_tokens, done.num_pages)
+
+        self._publish(handoff_subject(decode_instance), done, sent=sent)
+
+    def _add_prefill(
+        self, engine: Engine, ask: PrefillAsk, trace: str | None, at_ns: int
+    ) -> list[RequestOutput]:
         self._roles(engine)
         assert self._prefill is not None
+        self.telemetry.on_prefill_ask(ask.rid, trace, ask.decode_instance, len(ask.input_ids), at_ns)
         try:
             self._prefill.add(ask.rid, ask.input_ids, ask.sampling)
         except KubesglError as e:  # the decode side checked it too: it prefills it itself after the timeout
             log.warning("prefill of %s refused: %s", ask.rid, e)
+            self.telemetry.on_prefill_done(ask.rid, 0, 0, error=str(e))
             return []
         self._decode_of[ask.rid] = ask.decode_instance
         return []
@@ -224,11 +265,13 @@ class PdHook:
         handoff = KvHandoff(
             done.rid, done.seed, out, done.logprobs or [], done.num_pages, done.agent_metadata, done.descs
         )
+        self._prefill_of[done.rid] = ask.prefill_instance
         first = self._decode.receive(ask.input_ids, ask.params, handoff)
-        if self._decode.pulling(done.rid):
-            self._prefill_of[done.rid] = ask.prefill_instance
-        elif done.num_pages:  # fell back at once: the prefill side's pages can go
-            self._publish(prefill_subject(ask.prefill_instance), KvRelease(done.rid))
+        self._report(self._decode.take_ended())  # a pull refused at once
+        if not self._decode.pulling(done.rid):
+            del self._prefill_of[done.rid]
+            if done.num_pages:  # fell back at once: the prefill side's pages can go
+                self._publish(prefill_subject(ask.prefill_instance), KvRelease(done.rid))
         return [first]
 
     def abort(self, engine: Engine, rid: str) -> None:

@@ -1,18 +1,23 @@
 """Prefill/decode disaggregation through the whole stack: one prefill and one decode scheduler (KV through
-NIXL over host memory) give the greedy completions one `both` scheduler gives (chunked prompts, a shared
-prefix, n=2, JSON mode, prompt logprobs); a prefill instance killed with requests in flight loses none (the
-decode instance prefills them itself after --disaggregation-timeout, generous here:
-a CPU prefill instance's first prompts are slow)."""
+NIXL over host memory), tracing to a real OTLP endpoint. A request sent under a client's trace context makes one
+trace with the prefill instance's prefill span, the decode instance's kv transfer and decode spans, in the place
+the colocated prefill and decode take. The pair gives the greedy completions one `both` scheduler gives (chunked
+prompts, a shared prefix, n=2, JSON mode, prompt logprobs); a prefill instance killed with requests in flight
+loses none (the decode instance prefills them itself after --disaggregation-timeout, generous here: a CPU
+prefill instance's first prompts are slow). One stack serves both tests; the second kills its prefill instance,
+so it runs last (tests/run.sh keeps a file's tests in order on one worker)."""
 
 from __future__ import annotations
 
 import concurrent.futures
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
-from conftest import TEST_SCHEDULER_ARGS
+from conftest import TEST_SCHEDULER_ARGS, StackFactory
+from kubesgl.launcher import Stack
+from support.otlp_receiver import OtlpReceiver, ReceivedSpan
 
 pytest.importorskip("nixl_cu12", reason="NIXL (the disagg extra) is not installed")
 
@@ -35,8 +40,34 @@ BODIES: list[dict[str, Any]] = [
 ]
 
 
-def _complete(url: str, body: dict[str, Any]) -> list[Any]:
-    r = httpx.post(f"{url}/v1/completions", json={"model": "demo", "temperature": 0, **body}, timeout=120)
+CLIENT_TRACE = "0af7651916cd43dd8448eb211c80319c"
+CLIENT_SPAN = "b7ad6b7169203331"
+
+
+@pytest.fixture(scope="module")
+def pd_stack(
+    stack_factory: StackFactory, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Stack, OtlpReceiver]]:
+    """As `kubesgl up --prefill 1 --decode 1` starts them, every service exporting its spans to `receiver`."""
+    with OtlpReceiver() as receiver:
+        env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "100"}
+        stack = stack_factory(
+            tmp_path_factory.mktemp("stack"),
+            schedulers=0,
+            prefill_schedulers=1,
+            decode_schedulers=1,
+            scheduler_args=ARGS,
+            env=env,
+        )
+        try:
+            yield stack, receiver
+        finally:
+            stack.stop(timeout_s=10)
+
+
+def _complete(url: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> list[Any]:
+    body = {"model": "demo", "temperature": 0, **body}
+    r = httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=120)
     assert r.status_code == 200, r.text
     choices = sorted(r.json()["choices"], key=lambda c: c["index"])
     return [(c["text"], c["finish_reason"], (c.get("logprobs") or {}).get("tokens")) for c in choices]
@@ -47,11 +78,56 @@ def _run_all(url: str) -> list[list[Any]]:
         return list(pool.map(lambda b: _complete(url, b), BODIES))
 
 
-def test_prefill_and_decode_instances_match_one_colocated_instance(stack_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    # As `kubesgl up --prefill 1 --decode 1` starts them.
-    stack = stack_factory(
-        tmp_path / "stack", schedulers=0, prefill_schedulers=1, decode_schedulers=1, scheduler_args=ARGS
-    )
+def _one(spans: list[ReceivedSpan], name: str) -> ReceivedSpan:
+    [span] = [s for s in spans if s.name == name]
+    return span
+
+
+def test_a_disaggregated_request_traces_its_prefill_transfer_and_decode(
+    pd_stack: tuple[Stack, OtlpReceiver],
+) -> None:
+    stack, receiver = pd_stack
+    prefill, decode = [s for s in stack.services.values() if s.kind == "scheduler"]
+    headers = {"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"}
+    # Longer than a page, so the decode instance pulls KV.
+    assert _complete(stack.gateway_urls[0], {**BODIES[0], "max_tokens": 4}, headers)[0][1] == "length"
+    stages = {"gateway request", "tokenize", "queue", "prefill", "kv transfer", "decode", "detokenize"}
+
+    def complete(spans: list[ReceivedSpan]) -> bool:
+        return {s.name for s in spans if s.trace_id == CLIENT_TRACE} >= stages
+
+    receiver.wait_for(complete, timeout_s=30)
+    spans = [s for s in receiver.snapshot() if s.trace_id == CLIENT_TRACE]
+    tokenize, prefill_span = (
+        _one(spans, "tokenize"),
+        _one(spans, "prefill"),
+    )  # one prefill: the prefill instance's
+    queue, transfer, decode_span = _one(spans, "queue"), _one(spans, "kv transfer"), _one(spans, "decode")
+    # Where the colocated trace has its queue -> prefill -> decode: under the tokenizer's span.
+    for span in (queue, prefill_span, transfer, decode_span):
+        assert span.parent_span_id == tokenize.span_id, span.name
+    assert {s.parent_span_id for s in spans if s.name == "detokenize"} == {decode_span.span_id}
+    assert all(s.service == "kubesgl-scheduler" for s in (queue, prefill_span, transfer, decode_span))
+    instance = "kubesgl.scheduler.instance"
+    assert prefill_span.attributes[instance] == prefill.instance_id
+    assert prefill_span.attributes["kubesgl.decode.instance"] == decode.instance_id
+    assert queue.attributes[instance] == transfer.attributes[instance] == decode.instance_id
+    assert decode_span.attributes[instance] == decode.instance_id
+    assert transfer.attributes["kubesgl.prefill.instance"] == prefill.instance_id
+    assert transfer.attributes["kubesgl.kv.outcome"] == "ok"
+    assert transfer.attributes["kubesgl.kv.pages"] > 0 and transfer.attributes["kubesgl.kv.bytes"] > 0
+    assert prefill_span.attributes["kubesgl.kv.pages"] == transfer.attributes["kubesgl.kv.pages"]
+    # In time: the decode instance asks, the prefill instance computes and hands off, the pull runs as the
+    # first token is reported (one host: one clock).
+    assert queue.end_ns <= prefill_span.start_ns <= prefill_span.end_ns <= transfer.start_ns
+    assert transfer.start_ns <= decode_span.start_ns and transfer.end_ns <= decode_span.end_ns
+    assert all(s.status_code != 2 for s in spans), [s.name for s in spans if s.status_code == 2]
+
+
+def test_prefill_and_decode_instances_match_one_colocated_instance(
+    pd_stack: tuple[Stack, OtlpReceiver],
+) -> None:
+    stack, _ = pd_stack
     url = stack.gateway_urls[0]
     prefill, decode = [s for s in stack.services.values() if s.kind == "scheduler"]
     assert "prefill" in prefill.proc.args and "decode" in decode.proc.args

@@ -1,4 +1,5 @@
-"""Test helpers for driving a loaded model directly: one request, a paged KV cache, torch attention."""
+"""Test helpers for models: driving a loaded model directly (one request, a paged KV cache, torch attention), the
+model families every parity test covers, and tokenizers put into small random checkpoints."""
 
 from __future__ import annotations
 
@@ -11,6 +12,10 @@ from kubesgl.attention.torch_backend import TorchAttention
 from kubesgl.kv.kv_cache import KVCache
 from kubesgl.layers.forward import ForwardBatch
 from kubesgl.models.decoder import CausalLM
+from kubesgl.models.random_init import TINY_EOS
+
+# The parity set: the model families (random_init's tiny configs) every "same outputs as ..." test runs over.
+PARITY_ARCHS = ["qwen3", "qwen2", "llama", "qwen3_moe"]
 
 
 class SingleRequestRunner:
@@ -65,4 +70,35 @@ def with_chat_template(model_dir: str | Path, template: str) -> Path:
     config = json.loads(config_path.read_text())
     config["chat_template"] = text
     config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+    return Path(model_dir)
+
+
+def with_byte_level_tokenizer(model_dir: str | Path) -> Path:
+    """Gives a tiny random checkpoint (random_init's 512-token vocab) a byte-level BPE tokenizer of exactly that
+    size, trained here on a fixed corpus of JSON lines, with `<|endoftext|>` at the checkpoint's EOS id: what
+    structured outputs need (xgrammar builds its token table from the tokenizer), at a 300th of the real Qwen3
+    tokenizer's 152k tokens, whose table takes seconds per engine to build and whose logits make every step slow."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    special = ["<|pad|>", "<|endoftext|>"]  # trained first: ids 0 and 1
+    assert special.index("<|endoftext|>") == TINY_EOS
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=config["vocab_size"],
+        special_tokens=special,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    corpus = [
+        json.dumps({"id": i, "name": f"item {i}", "ok": i % 2 == 0, "tags": ["a", "b"][: i % 3]})
+        for i in range(300)
+    ]
+    bpe.train_from_iterator(corpus, trainer)
+    assert bpe.get_vocab_size() == config["vocab_size"], "the corpus is too small for the vocab"
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, pad_token=special[0], eos_token=special[1])
+    tokenizer.save_pretrained(model_dir)
     return Path(model_dir)

@@ -9,10 +9,10 @@ import torch
 from kubesgl import LLM, SamplingParams
 from kubesgl.models.random_init import build_random_model
 from support.engine_helpers import assert_greedy_match, hf_greedy
+from support.model_helpers import PARITY_ARCHS
 from support.numerics import logits_tolerance
 from transformers import AutoModelForCausalLM
 
-ARCHS = ["qwen3", "qwen2", "llama", "qwen3_moe"]
 N_NEW = 12
 
 
@@ -24,7 +24,7 @@ def _prompts(n: int, seed: int, vocab: int = 500) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("models")
-    return {a: str(build_random_model(a, root / a, init_std=0.5)) for a in ARCHS}
+    return {a: str(build_random_model(a, root / a, init_std=0.5)) for a in PARITY_ARCHS}
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,7 @@ def _check(llm: LLM, refs: list[tuple[list[int], list[int], list[float]]], model
         assert_greedy_match(out["token_ids"], ref, gaps, tie)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", PARITY_ARCHS)
 def test_greedy_matches_hf(arch: str, models: dict[str, str], references: dict) -> None:
     with LLM(models[arch]) as llm:
         _check(llm, references[arch], models[arch])

@@ -8,16 +8,15 @@ import pytest
 import torch
 from kubesgl.models.loader import load_model
 from kubesgl.models.random_init import build_random_model
-from support.model_helpers import SingleRequestRunner
+from support.model_helpers import PARITY_ARCHS, SingleRequestRunner
 from support.numerics import logits_tolerance
 from transformers import AutoModelForCausalLM
 
-ARCHS = ["qwen3", "qwen2", "llama", "qwen3_moe"]
 PROMPT_LEN = 20
 PREFIX_LEN = 12  # teacher-forced decoding starts after this many prompt tokens
 
 
-@pytest.fixture(scope="module", params=ARCHS)
+@pytest.fixture(scope="module", params=PARITY_ARCHS)
 def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_random_model(request.param, tmp_path_factory.mktemp(request.param))
 

@@ -94,6 +94,18 @@ def _samples() -> list[p.Message]:
             sampling=SamplingParams(max_tokens=0, logprobs=LogprobOptions(top=1, prompt_start=0)),
             deadline=1.0,
         ),
+        p.PrefillAsk(rid="r5", decode_instance="decode-0", input_ids=[1, 2], sampling=sampling, deadline=2.0),
+        p.PrefillDone(
+            rid="r5",
+            seed=7,
+            new_token_ids=[9],
+            cached_tokens=0,
+            num_pages=1,
+            agent_metadata=b"m",
+            descs=b"d",
+            logprobs=[p.TokenLogprob(9, -0.5)],
+        ),
+        p.KvRelease(rid="r5"),
         p.TextDeltaBatch(
             deltas=[
                 p.TextDelta(rid="r1", instance_id="sched-0", seq=0, text="a", token_ids=[5]),
@@ -189,6 +201,21 @@ def test_headers_carry_rid_deadline_and_trace() -> None:
     assert h[p.HEADER_RID] == "r1" and h[p.HEADER_TRACEPARENT] == "00-ab-cd-01"
     assert p.header_deadline(h) == 1700000000.25
     assert p.header_deadline({p.HEADER_DEADLINE: "soon"}) is None
+
+
+def test_a_prefill_ask_carries_its_trace_in_headers_and_one_without_is_taken_untraced() -> None:
+    """A decode instance sends the PrefillAsk under the request's headers, as the tokenizer sends the
+    GenerateRequest; the body is unchanged, so an ask from a decode instance without tracing (or older: no headers
+    at all) is taken as before, with no trace context."""
+    sampling = SamplingParams()
+    ask = p.PrefillAsk(
+        rid="r1", decode_instance="decode-0", input_ids=[1, 2], sampling=sampling, deadline=5.0
+    )
+    h = p.headers(ask.rid, ask.deadline, traceparent="00-ab-cd-01")
+    assert p.header_traceparent(h) == "00-ab-cd-01" and p.header_deadline(h) == ask.deadline
+    assert p.header_traceparent(p.headers(ask.rid, ask.deadline)) is None
+    assert p.header_traceparent(None) is None
+    assert p.decode(ask.to_bytes(), p.PrefillAsk, p.PrefillDone, p.KvRelease) == ask
 
 
 def test_one_batch_carries_every_delta_that_fits_and_decodes_back_in_order() -> None:

@@ -1,8 +1,10 @@
 """A scheduler's per-request telemetry: queue -> prefill -> decode spans under the tokenizer's span, and
-SGLang's request metrics, both driven by engine outputs."""
+SGLang's request metrics, both driven by engine outputs; a disaggregated request's prefill span on the prefill
+instance and kv transfer span on the decode instance, in the same place of the same trace."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -10,6 +12,7 @@ from kubesgl.service.telemetry.metrics import SchedulerMetrics
 from kubesgl.service.telemetry.scheduler import SchedulerTelemetry
 from kubesgl.service.telemetry.tracing import (
     SPAN_DECODE,
+    SPAN_KV_TRANSFER,
     SPAN_PREFILL,
     SPAN_QUEUE,
     SPAN_TOKENIZE,
@@ -39,10 +42,10 @@ def out(
                          finish_reason=reason)  # fmt: skip
 
 
-def telemetry(tracing: Tracing) -> tuple[CollectorRegistry, SchedulerTelemetry]:
+def telemetry(tracing: Tracing, instance_id: str = "sched-0") -> tuple[CollectorRegistry, SchedulerTelemetry]:
     registry = CollectorRegistry()
     metrics = SchedulerMetrics(registry, "tiny", page_size=1, num_pages=64)
-    return registry, SchedulerTelemetry(metrics, tracing, instance_id="sched-0", model="tiny")
+    return registry, SchedulerTelemetry(metrics, tracing, instance_id=instance_id, model="tiny")
 
 
 def tokenize_span(tracing: Tracing) -> dict[str, str]:
@@ -122,3 +125,89 @@ def test_outputs_of_unknown_requests_are_ignored() -> None:
     registry, tel = telemetry(Tracing("kubesgl-scheduler"))
     assert tel.on_outputs([out("ghost", [1], 1, finished=True, reason="stop")]) == {}
     assert registry.get_sample_value("sglang:num_requests_total", MODEL) == 0
+
+
+def test_disaggregated_request_has_the_prefill_there_and_transfer_and_decode_here(
+    receiver: OtlpReceiver,
+) -> None:
+    tracing = Tracing("kubesgl-scheduler")
+    _, decode = telemetry(tracing, "decode-0")
+    _, prefill = telemetry(tracing, "prefill-0")
+    headers = tokenize_span(tracing)
+    decode.on_arrival("r1", headers, prompt_tokens=12)
+    ask = decode.on_remote_prefill("r1")
+    assert ask == headers["traceparent"]  # the PrefillAsk's: the request's parent on the decode instance
+    prefill.on_prefill_ask("r1", ask, "decode-0", prompt_tokens=12, received_ns=time.time_ns())
+    prefill.on_prefill_done("r1", cached_tokens=8, pages=3)
+    decode.on_step_start()  # a step of other requests: not this one's prefill
+    pull_start = time.time_ns()
+    decode.on_outputs([out("r1", [5], 1)])  # the PrefillDone's first token
+    decode.on_transfer(
+        "r1", "prefill-0", "ok", pages=3, nbytes=3072, start_ns=pull_start, end_ns=time.time_ns()
+    )
+    decode.on_outputs([out("r1", [6], 2, finished=True, reason="length")])
+    tracing.shutdown()
+
+    spans = receiver.wait_for(lambda s: len(s) == 5, timeout_s=10)
+    assert sorted(s.name for s in spans) == sorted(
+        [SPAN_TOKENIZE, SPAN_QUEUE, SPAN_PREFILL, SPAN_KV_TRANSFER, SPAN_DECODE]
+    )  # no prefill span of the decode instance's own
+    by_name = {s.name: s for s in spans}
+    parent = by_name[SPAN_TOKENIZE]
+    queue, prefill_span = by_name[SPAN_QUEUE], by_name[SPAN_PREFILL]
+    transfer, decode_span = by_name[SPAN_KV_TRANSFER], by_name[SPAN_DECODE]
+    for span in (queue, prefill_span, transfer, decode_span):
+        assert (span.trace_id, span.parent_span_id) == (parent.trace_id, parent.span_id)
+    instance = {s.name: s.attributes["kubesgl.scheduler.instance"] for s in spans if s is not parent}
+    assert instance == {
+        SPAN_QUEUE: "decode-0", SPAN_PREFILL: "prefill-0", SPAN_KV_TRANSFER: "decode-0", SPAN_DECODE: "decode-0"
+    }  # fmt: skip
+    assert queue.end_ns <= prefill_span.start_ns <= prefill_span.end_ns <= transfer.start_ns
+    assert transfer.start_ns <= decode_span.start_ns and transfer.end_ns <= decode_span.end_ns
+    assert prefill_span.attributes["kubesgl.decode.instance"] == "decode-0"
+    assert prefill_span.attributes["kubesgl.kv.pages"] == 3
+    assert prefill_span.attributes["kubesgl.cached_tokens"] == 8
+    attrs = transfer.attributes
+    assert (attrs["kubesgl.kv.outcome"], attrs["kubesgl.kv.pages"], attrs["kubesgl.kv.bytes"]) == (
+        "ok",
+        3,
+        3072,
+    )
+    assert attrs["kubesgl.prefill.instance"] == "prefill-0" and attrs["kubesgl.rid"] == "r1"
+    assert all(s.status_code != 2 for s in spans)
+
+
+def test_no_handoff_in_time_makes_a_failed_transfer_and_the_prefill_here(receiver: OtlpReceiver) -> None:
+    tracing = Tracing("kubesgl-scheduler")
+    _, decode = telemetry(tracing, "decode-0")
+    decode.on_arrival("r1", tokenize_span(tracing), prompt_tokens=12)
+    decode.on_remote_prefill("r1")
+    decode.on_no_prefill("r1", "prefill-0")  # the prefill instance died: prefilled here
+    decode.on_step_start()
+    decode.on_outputs([out("r1", [5], 1, finished=True, reason="length")])
+    tracing.shutdown()
+
+    spans = receiver.wait_for(lambda s: len(s) == 5, timeout_s=10)
+    by_name = {s.name: s for s in spans}
+    transfer, prefill = by_name[SPAN_KV_TRANSFER], by_name[SPAN_PREFILL]
+    assert (transfer.attributes["kubesgl.kv.outcome"], transfer.status_code) == ("no_prefill", 2)
+    assert prefill.attributes["kubesgl.scheduler.instance"] == "decode-0"
+    assert transfer.end_ns <= prefill.start_ns
+
+
+def test_disaggregation_spans_only_under_a_sampled_parent(receiver: OtlpReceiver) -> None:
+    """No span under an unsampled parent, and none without a parent: these spans never start a trace."""
+    tracing = Tracing("kubesgl-scheduler")
+    _, decode = telemetry(tracing, "decode-0")
+    _, prefill = telemetry(tracing, "prefill-0")
+    unsampled = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00"
+    for rid, trace in (("r1", unsampled), ("r2", None)):  # r2: an ask from a decode instance without tracing
+        prefill.on_prefill_ask(rid, trace, "decode-0", prompt_tokens=12, received_ns=time.time_ns())
+        prefill.on_prefill_done(rid, cached_tokens=0, pages=3)
+    decode.on_arrival("r1", {"traceparent": unsampled}, prompt_tokens=12)
+    assert decode.on_remote_prefill("r1") == unsampled
+    decode.on_transfer("r1", "prefill-0", "ok", pages=3, nbytes=3072, start_ns=1, end_ns=2)
+    decode.on_arrival("r2", None, prompt_tokens=12)
+    decode.on_transfer("r2", "prefill-0", "ok", pages=3, nbytes=3072, start_ns=1, end_ns=2)
+    tracing.shutdown()  # flushes: whatever was recorded and ended has arrived (the queue spans are still open)
+    assert receiver.snapshot() == []

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kubesgl.engine.request import ReqState
 from kubesgl.engine.scheduler.scheduler import Scheduler
+from kubesgl.kv.kv_cache import KVCache
 from kubesgl.kv.kv_transfer import KvTransferAgent, TransferState
 from kubesgl.kv.prefix_cache import CacheHandle
 from kubesgl.values.outputs import RequestOutput, TokenLogprob
@@ -48,7 +49,29 @@ class TransferCounters:
     transfers: int = 0
     transferred_bytes: int = 0
     fallbacks: int = 0
-    latencies_s: list[float] = field(default_factory=list)
+
+
+class TransferOutcome(enum.StrEnum):
+    """How a handoff's pull ended: `ok`, or why its request went on without the pages (prefilled here)."""
+
+    OK = "ok"
+    NO_ROOM = "no_room"  # this pool could not hold them
+    UNREACHABLE = "unreachable"  # NIXL could not start the read (the prefill agent is gone)
+    FAILED = "failed"  # the read started and failed
+    LATE = "late"  # still running past the timeout
+    ABORTED = "aborted"  # the request was aborted during the pull
+
+
+@dataclass(frozen=True)
+class TransferEnd:
+    """One handoff's pull, once its outcome is known (what its trace span and metrics are made from)."""
+
+    rid: str
+    outcome: TransferOutcome
+    pages: int
+    nbytes: int  # the KV of those pages (moved only when the outcome is ok)
+    started_ns: int  # wall clock
+    seconds: float  # from the start to the outcome (monotonic)
 
 
 class PrefillRole:
@@ -95,7 +118,8 @@ class _Pull:
     params: SamplingParams
     handoff: KvHandoff
     started: float
-    queued: bool = False  # given up on (late): the request went ahead without these pages
+    started_ns: int
+    queued: bool = False  # given up on (late, aborted): the request went ahead without these pages
 
 
 class DecodeRole:
@@ -106,7 +130,12 @@ class DecodeRole:
         self.agent = agent
         self.timeout_s = timeout_s
         self.counters = TransferCounters()
+        kv = agent.kv
+        self._page_bytes = kv.page_size * KVCache.bytes_per_token(
+            kv.num_layers, kv.num_kv_heads, kv.head_dim, kv.dtype
+        )
         self._pulls: dict[str, _Pull] = {}
+        self._ended: list[TransferEnd] = []
         self._held: dict[
             str, CacheHandle | None
         ] = {}  # locks on pulled pages until their request is admitted
@@ -114,17 +143,23 @@ class DecodeRole:
     def receive(self, input_ids: list[int], params: SamplingParams, handoff: KvHandoff) -> RequestOutput:
         """Starts pulling the handoff's pages; returns its first output, for the caller to report now."""
         mem, pool = self.scheduler.memory, self.scheduler.pool
-        if handoff.num_pages == 0 or not mem.make_room(handoff.num_pages):
-            self._queue(input_ids, params, handoff, fallback=handoff.num_pages > 0)
+        started, started_ns = time.monotonic(), time.time_ns()
+        if handoff.num_pages == 0:  # a prompt shorter than a page: nothing to pull
+            self._queue(input_ids, params, handoff, fallback=False)
+            return handoff.output
+        if not mem.make_room(handoff.num_pages):
+            self._end(handoff, TransferOutcome.NO_ROOM, started, started_ns)
+            self._queue(input_ids, params, handoff, fallback=True)
             return handoff.output
         pages = pool.alloc(handoff.num_pages)
         try:
             tid = self.agent.read(handoff.agent_metadata, handoff.descs, pages)
         except Exception:  # a peer NIXL cannot reach: this instance prefills it
             pool.free(pages)
+            self._end(handoff, TransferOutcome.UNREACHABLE, started, started_ns)
             self._queue(input_ids, params, handoff, fallback=True)
             return handoff.output
-        self._pulls[handoff.rid] = _Pull(tid, pages, input_ids, params, handoff, time.monotonic())
+        self._pulls[handoff.rid] = _Pull(tid, pages, input_ids, params, handoff, started, started_ns)
         return handoff.output
 
     def prefill_here(self, rid: str, input_ids: list[int], params: SamplingParams) -> None:
@@ -137,6 +172,7 @@ class DecodeRole:
         pull = self._pulls.get(rid)
         if pull is not None and not pull.queued:
             pull.queued = True  # its pull only frees its pages when done; the request ends now, as aborted
+            self._end(pull.handoff, TransferOutcome.ABORTED, pull.started, pull.started_ns)
             self._queue(pull.input_ids, pull.params, pull.handoff, fallback=False)
         self.scheduler.abort(rid)
 
@@ -150,21 +186,28 @@ class DecodeRole:
             if state is TransferState.RUNNING:
                 if not pull.queued and now - pull.started > self.timeout_s:
                     pull.queued = True  # its pages are freed when NIXL lets go of them
+                    self._end(pull.handoff, TransferOutcome.LATE, pull.started, pull.started_ns)
                     self._queue(pull.input_ids, pull.params, pull.handoff, fallback=True)
                 continue
             del self._pulls[rid]
             ended.append(rid)
             if state is TransferState.DONE and not pull.queued:
                 self._cache(pull)
+                end = self._end(pull.handoff, TransferOutcome.OK, pull.started, pull.started_ns)
                 self.counters.transfers += 1
-                self.counters.transferred_bytes += sum(n for _, n in self.agent.kv.page_regions(pull.pages))
-                self.counters.latencies_s.append(now - pull.started)
+                self.counters.transferred_bytes += end.nbytes
                 self._queue(pull.input_ids, pull.params, pull.handoff, fallback=False)
             else:
                 self.scheduler.pool.free(pull.pages)
                 if not pull.queued:
+                    self._end(pull.handoff, TransferOutcome.FAILED, pull.started, pull.started_ns)
                     self._queue(pull.input_ids, pull.params, pull.handoff, fallback=True)
         return ended
+
+    def take_ended(self) -> list[TransferEnd]:
+        """The pulls whose outcome came since the last call (the bus side makes their spans and metrics)."""
+        out, self._ended = self._ended, []
+        return out
 
     @property
     def busy(self) -> bool:
@@ -179,6 +222,18 @@ class DecodeRole:
         tokens = pull.input_ids[: len(pull.pages) * self.scheduler.pool.page_size]
         handle, _ = self.scheduler.cache.insert(tokens, pull.pages)
         self._held[pull.handoff.rid] = handle
+
+    def _end(self, h: KvHandoff, outcome: TransferOutcome, started: float, started_ns: int) -> TransferEnd:
+        end = TransferEnd(
+            h.rid,
+            outcome,
+            h.num_pages,
+            h.num_pages * self._page_bytes,
+            started_ns,
+            time.monotonic() - started,
+        )
+        self._ended.append(end)
+        return end
 
     def _queue(self, input_ids: list[int], params: SamplingParams, h: KvHandoff, fallback: bool) -> None:
         self.counters.fallbacks += fallback

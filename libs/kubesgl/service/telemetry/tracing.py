@@ -1,9 +1,10 @@
 """OpenTelemetry tracing for kubesgl services: one tracer per service configured by the standard OTEL_*
 variables, W3C trace context carried in NATS message headers, and the names of the spans a request makes.
 
-One request is one trace: gateway request -> tokenize -> queue -> prefill -> decode -> detokenize. Each
-service starts its spans under the `traceparent` header of the message it received and puts its own span's
-`traceparent` on the messages it sends (protocol.headers(..., traceparent=...)).
+One request is one trace: gateway request -> tokenize -> queue -> prefill -> decode -> detokenize; a
+disaggregated request's prefill is the prefill instance's, and a `kv transfer` on the decode instance comes
+between it and the decode. Each service starts its spans under the `traceparent` header of the message it
+received and puts its own span's `traceparent` on the messages it sends (protocol.headers(..., traceparent=...)).
 
 Tracing is off (a no-op tracer that still passes an incoming trace context through) unless
 OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT is set, or when OTEL_SDK_DISABLED=true.
@@ -32,6 +33,7 @@ SPAN_TOKENIZE = "tokenize"
 SPAN_QUEUE = "queue"
 SPAN_PREFILL = "prefill"
 SPAN_DECODE = "decode"
+SPAN_KV_TRANSFER = "kv transfer"
 SPAN_DETOKENIZE = "detokenize"
 
 # OpenTelemetry GenAI semantic conventions where one exists, kubesgl.* otherwise.
@@ -44,6 +46,12 @@ ATTR_INSTANCE = "kubesgl.scheduler.instance"
 ATTR_RID = "kubesgl.rid"
 ATTR_SEQ = "kubesgl.seq"
 ATTR_TTFT = "kubesgl.ttft_s"  # on the gateway's span: its time to first token, as its histogram saw it
+# Disaggregation: the instance of the other role, and a KV pull's pages, their bytes and how it ended.
+ATTR_PREFILL_INSTANCE = "kubesgl.prefill.instance"
+ATTR_DECODE_INSTANCE = "kubesgl.decode.instance"
+ATTR_KV_PAGES = "kubesgl.kv.pages"
+ATTR_KV_BYTES = "kubesgl.kv.bytes"
+ATTR_KV_OUTCOME = "kubesgl.kv.outcome"
 
 _ENDPOINT_VARS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 # W3C trace context only: the one header the wire protocol carries.
