@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 from kubesgl.launcher import Stack, StackConfig
-from kubesgl.service.nats_server import NatsServer
+from kubesgl.runtime.nats_server import NatsServer
 from regroup import load_layout
 
 # Triton picks interpreter or compiler when a kernel is defined, so without CUDA the interpreter goes on

@@ -39,8 +39,8 @@ from kubesgl.protocol import (
     handoff_subject,
     prefill_subject,
 )
-from kubesgl.service.lifecycle import TaskGroup
-from kubesgl.service.telemetry.metrics import DisaggregationMetrics
+from kubesgl.runtime.lifecycle import TaskGroup
+from kubesgl.runtime.telemetry.metrics import DisaggregationMetrics
 from kubesgl.services.scheduler.engine_loop import Command, RunOnEngine
 from kubesgl.values.outputs import RequestOutput
 from kubesgl.values.sampling import SamplingParams

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from opentelemetry.context import Context
 from opentelemetry.trace import Span, Status, StatusCode
 
-from kubesgl.service.telemetry.metrics import SchedulerMetrics
-from kubesgl.service.telemetry.stats_log import StatsLog
-from kubesgl.service.telemetry.tracing import (
+from kubesgl.runtime.telemetry.metrics import SchedulerMetrics
+from kubesgl.runtime.telemetry.stats_log import StatsLog
+from kubesgl.runtime.telemetry.tracing import (
     ATTR_CACHED_TOKENS,
     ATTR_FINISH_REASON,
     ATTR_INSTANCE,
