@@ -43,7 +43,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "kubesgl.openai_api",
         "kubesgl.tool_formats",
     ),  # pure logic over the wire's values
-    ("kubesgl.runtime",),  # service glue: NATS, admin HTTP, metrics, tracing, local processes
+    ("kubesgl.runtime",),  # the service runtime: NATS, admin HTTP, metrics, tracing, local processes
     (  # processes: the services, the launcher and the command line
         "kubesgl.services",
         "kubesgl.launcher",
