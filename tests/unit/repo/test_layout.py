@@ -90,7 +90,7 @@ GOOD = [
     "libs/kubesgl/runtime/telemetry/__init__.py",
     "services/__init__.py",
     "services/gateway/__init__.py",
-    "services/gateway/service.py",
+    "services/gateway/app.py",
     "loadtest/soak.py",
     "tests/conftest.py",
     "tests/support/__init__.py",
@@ -116,7 +116,7 @@ def test_files_out_of_their_groups_are_reported(tmp_path: Path) -> None:
         "tests/test_root.py",
         "tests/unit/test_no_part.py",
         "tests/e2e/nested/test_deep.py",
-        "tests/unit/service/test_h.py",  # services/gateway/service.py is a module below the top, not a part
+        "tests/unit/app/test_h.py",  # services/gateway/app.py is a module below the top, not a part
         "tests/unit/kv/test_f.py",
         "tests/stray_helpers.py",
         "tests/support/nested/more_helpers.py",
@@ -126,8 +126,8 @@ def test_files_out_of_their_groups_are_reported(tmp_path: Path) -> None:
         "tests/stray_helpers.py is a helper: helpers live in tests/support/",
         "tests/support/nested/more_helpers.py is a helper: helpers live in tests/support/",
         "tests/test_root.py is in no group: put it in tests/unit/<part>/, tests/e2e/ or tests/deploy/",
+        "tests/unit/app/ names no part of kubesgl (a module, package or tools folder)",
         "tests/unit/kv/ names no part of kubesgl (a module, package or tools folder)",
-        "tests/unit/service/ names no part of kubesgl (a module, package or tools folder)",
         "tests/unit/test_no_part.py is in no group: put it in tests/unit/<part>/, tests/e2e/ or tests/deploy/",
         "two test files named test_f.py: tests/e2e/test_f.py and tests/unit/kv/test_f.py",
     ]
