@@ -34,7 +34,7 @@ up: $(STAMP)
 test: $(STAMP)
 	bash tests/run.sh $(PYTEST_ARGS)
 
-# The unit groups only (tests/layout.toml's unit/*, less `slow`), with their 5 slowest tests; pytest's line gives the
+# The unit groups only (tests/unit/, less `slow`), with their 5 slowest tests; pytest's line gives the
 # counts and tests/run.sh the wall time: about 2 minutes on a 2-core machine with little else running.
 test-fast: $(STAMP)
 	bash tests/run.sh --fast $(PYTEST_ARGS)

@@ -28,9 +28,9 @@ from typing import Any
 import nats
 from kubesgl import protocol as p
 from kubesgl.launcher import Stack, StackConfig, resolve_model
-from kubesgl.service.telemetry.metrics import SchedulerMetrics, new_registry
-from kubesgl.service.telemetry.scheduler import SchedulerTelemetry
-from kubesgl.service.telemetry.tracing import Tracing
+from kubesgl.runtime.telemetry.metrics import SchedulerMetrics, new_registry
+from kubesgl.runtime.telemetry.scheduler import SchedulerTelemetry
+from kubesgl.runtime.telemetry.tracing import Tracing
 from kubesgl.services.scheduler.engine_loop import AddRequest, Command, QueryStats
 from kubesgl.services.scheduler.service import SchedulerService
 from kubesgl.values.outputs import EngineStats, ModelInfo, RequestOutput

@@ -125,10 +125,10 @@ def fake_engine_rate(args: argparse.Namespace, prompts: list[int], outputs: list
 
 def run_fake_scheduler(args: argparse.Namespace) -> int:
     """The scheduler process: the real SchedulerService and EngineLoop over FakeEngine."""
-    from kubesgl.service.bus_service import run_bus_service
-    from kubesgl.service.telemetry.metrics import SchedulerMetrics, new_registry
-    from kubesgl.service.telemetry.scheduler import SchedulerTelemetry
-    from kubesgl.service.telemetry.tracing import Tracing
+    from kubesgl.runtime.bus_service import run_bus_service
+    from kubesgl.runtime.telemetry.metrics import SchedulerMetrics, new_registry
+    from kubesgl.runtime.telemetry.scheduler import SchedulerTelemetry
+    from kubesgl.runtime.telemetry.tracing import Tracing
     from kubesgl.services.scheduler.engine_loop import EngineLoop
     from kubesgl.services.scheduler.engine_process import EngineProcess
     from kubesgl.services.scheduler.service import SchedulerService
@@ -390,7 +390,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--fake-scheduler", action="store_true", help=argparse.SUPPRESS)
     known, rest = parser.parse_known_args()
     if known.fake_scheduler:
-        from kubesgl.service.bus_service import add_service_arguments
+        from kubesgl.runtime.bus_service import add_service_arguments
 
         add_service_arguments(parser, drain_timeout_s=5.0)
         return parser.parse_args()

@@ -11,8 +11,7 @@ from typing import Any
 import pytest
 import torch
 from kubesgl.launcher import Stack, StackConfig
-from kubesgl.service.nats_server import NatsServer
-from regroup import load_layout
+from kubesgl.runtime.nats_server import NatsServer
 
 # Triton picks interpreter or compiler when a kernel is defined, so without CUDA the interpreter goes on
 # before any test imports kubesgl's Triton kernels: they then run on CPU tensors (tiny shapes only).
@@ -155,17 +154,28 @@ def stack(stack_factory: StackFactory, tmp_path: Path) -> Iterator[StackFactory]
         s.stop(timeout_s=10)
 
 
-_GROUPS = load_layout().group_of()
+# A test's group is the folder it lives in: tests/unit/<part>/ (one part of kubesgl on its own, no whole stack),
+# tests/e2e/ (whole stacks) or tests/deploy/ (what ships to a cluster, read offline). tests/unit/repo/test_layout.py
+# keeps every test file in one of them.
+TESTS = REPO / "tests"
+GROUPS = ("unit", "e2e", "deploy")
+
+
+def group_of(path: Path) -> str | None:
+    """The group of the test file at `path`: the folder under tests/ it lives in; None outside the groups."""
+    path = path.resolve()
+    if not path.is_relative_to(TESTS):
+        return None
+    top = path.relative_to(TESTS).parts[0]
+    return top if top in GROUPS else None
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Marks each test with its layout group's kind (`unit`, `e2e`, `deploy`), so `-m` selects by group
-    whether or not tests/regroup.py has moved the files yet. A file the layout does not list gets no mark:
-    tests/unit/repo/test_layout.py fails on it."""
+    """Marks each test with its group (`unit`, `e2e`, `deploy`: pytest markers), so `-m` selects by group."""
     for item in items:
-        group = _GROUPS.get(item.path.name)
+        group = group_of(item.path)
         if group is not None:
-            item.add_marker(group.split("/")[0])
+            item.add_marker(group)
 
 
 @pytest.hookimpl(wrapper=True)

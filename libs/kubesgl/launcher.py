@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 
-from kubesgl.service.listen import listen_socket
-from kubesgl.service.nats_server import NatsServer
-from kubesgl.service.process import parent_death_signal, terminate
+from kubesgl.runtime.listen import listen_socket
+from kubesgl.runtime.nats_server import NatsServer
+from kubesgl.runtime.process import parent_death_signal, terminate
 
 KINDS = ("scheduler", "detokenizer", "tokenizer", "gateway")  # start order: engines load meanwhile
 # Stop order: stop taking traffic first; detokenizers last so draining schedulers can still flush output.

@@ -7,9 +7,9 @@ import asyncio
 import os
 import socket
 
-from kubesgl.service.bus_service import add_service_arguments, run_bus_service
-from kubesgl.service.telemetry.metrics import DetokenizerMetrics, new_registry
-from kubesgl.service.telemetry.tracing import Tracing
+from kubesgl.runtime.bus_service import add_service_arguments, run_bus_service
+from kubesgl.runtime.telemetry.metrics import DetokenizerMetrics, new_registry
+from kubesgl.runtime.telemetry.tracing import Tracing
 from kubesgl.services.detokenizer.service import DetokenizerService
 from kubesgl.text.tokenizer import ModelTokenizer
 from nats.aio.client import Client

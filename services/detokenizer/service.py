@@ -28,9 +28,9 @@ from kubesgl.protocol import (
     TokenLogprob,
     gateway_subject,
 )
-from kubesgl.service.nats_conn import close
-from kubesgl.service.telemetry.metrics import DetokenizerMetrics
-from kubesgl.service.telemetry.tracing import ATTR_RID, ATTR_SEQ, SPAN_DETOKENIZE, Tracing
+from kubesgl.runtime.nats_conn import close
+from kubesgl.runtime.telemetry.metrics import DetokenizerMetrics
+from kubesgl.runtime.telemetry.tracing import ATTR_RID, ATTR_SEQ, SPAN_DETOKENIZE, Tracing
 from kubesgl.text.incremental import delta_text
 from kubesgl.text.tokenizer import ModelTokenizer
 from nats.aio.client import Client

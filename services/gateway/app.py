@@ -21,10 +21,10 @@ from kubesgl import __version__
 from kubesgl.errors import InvalidRequestError, KubesglError, ServiceUnavailableError
 from kubesgl.openai_api.http_errors import error_body, error_from_validation
 from kubesgl.routing import SchedulerRegistry
-from kubesgl.service.nats_conn import NatsSettings, connect
-from kubesgl.service.process import parent_death_signal
-from kubesgl.service.telemetry.metrics import GatewayMetrics, multiprocess_registry, new_registry
-from kubesgl.service.telemetry.tracing import Tracing
+from kubesgl.runtime.nats_conn import NatsSettings, connect
+from kubesgl.runtime.process import parent_death_signal
+from kubesgl.runtime.telemetry.metrics import GatewayMetrics, multiprocess_registry, new_registry
+from kubesgl.runtime.telemetry.tracing import Tracing
 from kubesgl.services.gateway import native_routes, openai_routes, ops_routes
 from kubesgl.services.gateway.access_log import AccessLog, arrival_of
 from kubesgl.services.gateway.api_keys import ApiKeys

@@ -31,7 +31,7 @@ from kubesgl.protocol import (
     stats_subject,
 )
 from kubesgl.routing import SchedulerRegistry
-from kubesgl.service.telemetry.metrics import NatsMetrics
+from kubesgl.runtime.telemetry.metrics import NatsMetrics
 from kubesgl.services.gateway.migration import MigrationPolicy
 from kubesgl.services.gateway.request_stream import RequestStream
 from nats.aio.client import Client

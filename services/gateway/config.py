@@ -9,8 +9,8 @@ import socket
 import uuid
 from dataclasses import dataclass
 
-from kubesgl.service.listen import inherited_socket_arg
-from kubesgl.service.nats_conn import add_nats_arguments
+from kubesgl.runtime.listen import inherited_socket_arg
+from kubesgl.runtime.nats_conn import add_nats_arguments
 
 
 @dataclass(frozen=True)
@@ -18,7 +18,7 @@ class GatewayConfig:
     host: str = "0.0.0.0"
     port: int = 8000
     sock: socket.socket | None = (
-        None  # an inherited listening socket (--fd, service/listen.py), not host:port
+        None  # an inherited listening socket (--fd, runtime/listen.py), not host:port
     )
     nats_url: str | None = None
     gateway_id: str = ""

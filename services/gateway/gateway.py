@@ -8,8 +8,8 @@ import time
 from fastapi import Request
 from kubesgl.errors import InvalidRequestError, ModelNotFoundError, ServiceUnavailableError
 from kubesgl.routing import SchedulerRegistry
-from kubesgl.service.telemetry.metrics import GatewayMetrics
-from kubesgl.service.telemetry.tracing import Tracing
+from kubesgl.runtime.telemetry.metrics import GatewayMetrics
+from kubesgl.runtime.telemetry.tracing import Tracing
 from kubesgl.services.gateway.bus import GatewayBus
 from kubesgl.services.gateway.concurrency_limit import ConcurrencyLimit
 from kubesgl.services.gateway.config import GatewayConfig

@@ -15,8 +15,8 @@ import time
 from dataclasses import dataclass, replace
 
 from kubesgl.protocol import TokenizeRequest
-from kubesgl.service.telemetry.metrics import MigrationMetrics
-from kubesgl.service.telemetry.tracing import Tracing
+from kubesgl.runtime.telemetry.metrics import MigrationMetrics
+from kubesgl.runtime.telemetry.tracing import Tracing
 
 log = logging.getLogger("kubesgl.gateway")
 

@@ -8,7 +8,7 @@ import time
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from kubesgl.errors import ModelNotFoundError
-from kubesgl.service.telemetry.metrics import render
+from kubesgl.runtime.telemetry.metrics import render
 from kubesgl.services.gateway.gateway import Gateway, gateway_of
 from kubesgl.services.gateway.workers import WorkerBoard
 

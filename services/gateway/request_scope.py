@@ -6,7 +6,7 @@ body's read and parse before the route runs is part of what the client waits for
 from __future__ import annotations
 
 from fastapi import Request
-from kubesgl.service.telemetry.tracing import ATTR_MODEL, ATTR_TTFT, SPAN_GATEWAY_REQUEST, traceparent
+from kubesgl.runtime.telemetry.tracing import ATTR_MODEL, ATTR_TTFT, SPAN_GATEWAY_REQUEST, traceparent
 from kubesgl.services.gateway.access_log import arrival_of, record_of
 from kubesgl.services.gateway.api_keys import ANONYMOUS
 from kubesgl.services.gateway.gateway import Gateway

@@ -31,7 +31,7 @@ from dataclasses import replace
 from types import FrameType
 from typing import Any
 
-from kubesgl.service.listen import listen_socket
+from kubesgl.runtime.listen import listen_socket
 from kubesgl.services.gateway.config import GatewayConfig
 
 log = logging.getLogger("kubesgl.gateway")

@@ -16,12 +16,12 @@ from kubesgl.engine.config import EngineConfig
 from kubesgl.engine.distributed import local_ranks, run_node_ranks
 from kubesgl.engine.engine import Engine
 from kubesgl.engine.scheduler.disagg import DisaggregationMode
-from kubesgl.service.bus_service import add_service_arguments, run_bus_service
-from kubesgl.service.lifecycle import configure_logging
-from kubesgl.service.telemetry.metrics import DisaggregationMetrics, SchedulerMetrics, new_registry
-from kubesgl.service.telemetry.scheduler import SchedulerTelemetry
-from kubesgl.service.telemetry.stats_log import StatsLog
-from kubesgl.service.telemetry.tracing import Tracing
+from kubesgl.runtime.bus_service import add_service_arguments, run_bus_service
+from kubesgl.runtime.lifecycle import configure_logging
+from kubesgl.runtime.telemetry.metrics import DisaggregationMetrics, SchedulerMetrics, new_registry
+from kubesgl.runtime.telemetry.scheduler import SchedulerTelemetry
+from kubesgl.runtime.telemetry.stats_log import StatsLog
+from kubesgl.runtime.telemetry.tracing import Tracing
 from kubesgl.services.scheduler.engine_loop import EngineLoop
 from kubesgl.services.scheduler.engine_process import EngineProcess
 from kubesgl.services.scheduler.pd import PdHook

@@ -13,7 +13,7 @@ import time
 
 import nats.errors
 from kubesgl.protocol import DETOK, BatchAck, ErrorReply, ProtocolError, decode
-from kubesgl.service.telemetry.metrics import NatsMetrics
+from kubesgl.runtime.telemetry.metrics import NatsMetrics
 from nats.aio.client import Client
 
 log = logging.getLogger("kubesgl.scheduler")

@@ -18,7 +18,7 @@ from typing import Protocol
 from kubesgl.engine.engine import Engine
 from kubesgl.errors import KubesglError
 from kubesgl.kv.radix import RadixCache
-from kubesgl.service.telemetry.scheduler import SchedulerTelemetry
+from kubesgl.runtime.telemetry.scheduler import SchedulerTelemetry
 from kubesgl.values.outputs import EngineStats, ModelInfo, RequestOutput
 from kubesgl.values.sampling import SamplingParams
 

@@ -31,8 +31,8 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from kubesgl.engine.engine import Engine
-from kubesgl.service.lifecycle import configure_logging
-from kubesgl.service.telemetry.scheduler import SchedulerTelemetry
+from kubesgl.runtime.lifecycle import configure_logging
+from kubesgl.runtime.telemetry.scheduler import SchedulerTelemetry
 from kubesgl.services.scheduler.engine_loop import (
     AbortRequest,
     AddRequest,

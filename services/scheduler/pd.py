@@ -45,9 +45,9 @@ from kubesgl.protocol import (
     headers,
     prefill_subject,
 )
-from kubesgl.service.lifecycle import TaskGroup
-from kubesgl.service.telemetry.metrics import DisaggregationMetrics
-from kubesgl.service.telemetry.scheduler import SchedulerTelemetry
+from kubesgl.runtime.lifecycle import TaskGroup
+from kubesgl.runtime.telemetry.metrics import DisaggregationMetrics
+from kubesgl.runtime.telemetry.scheduler import SchedulerTelemetry
 from kubesgl.services.scheduler.engine_loop import Command, RunOnEngine
 from kubesgl.values.outputs import RequestOutput
 from kubesgl.values.sampling import SamplingParams

@@ -44,9 +44,9 @@ from kubesgl.protocol import (
     headers,
     stats_subject,
 )
-from kubesgl.service.lifecycle import TaskGroup
-from kubesgl.service.nats_conn import close
-from kubesgl.service.telemetry.scheduler import SchedulerTelemetry
+from kubesgl.runtime.lifecycle import TaskGroup
+from kubesgl.runtime.nats_conn import close
+from kubesgl.runtime.telemetry.scheduler import SchedulerTelemetry
 from kubesgl.services.scheduler.delivery import deliver
 from kubesgl.services.scheduler.engine_loop import AbortRequest, AddRequest, EngineLoop, QueryStats
 from kubesgl.services.scheduler.engine_process import EngineProcess

@@ -11,9 +11,9 @@ from kubesgl.cache_routing.cache_aware import CacheAwareRouter, CacheAwareWeight
 from kubesgl.cache_routing.kv_tracker import KvTracker
 from kubesgl.cache_routing.prefix_index import PrefixIndex
 from kubesgl.routing import ROUTERS, SchedulerRegistry, make_router
-from kubesgl.service.bus_service import add_service_arguments, run_bus_service
-from kubesgl.service.telemetry.metrics import TokenizerMetrics, new_registry
-from kubesgl.service.telemetry.tracing import Tracing
+from kubesgl.runtime.bus_service import add_service_arguments, run_bus_service
+from kubesgl.runtime.telemetry.metrics import TokenizerMetrics, new_registry
+from kubesgl.runtime.telemetry.tracing import Tracing
 from kubesgl.services.tokenizer.kv_feed import KvFeed
 from kubesgl.services.tokenizer.request_router import RequestRouter
 from kubesgl.services.tokenizer.service import TokenizerService

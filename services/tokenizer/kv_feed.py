@@ -24,8 +24,8 @@ from kubesgl.protocol import (
     decode,
     kv_snapshot_subject,
 )
-from kubesgl.service.lifecycle import TaskGroup
-from kubesgl.service.telemetry.metrics import RouterMetrics
+from kubesgl.runtime.lifecycle import TaskGroup
+from kubesgl.runtime.telemetry.metrics import RouterMetrics
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from kubesgl.cache_routing.affinity import session_instance
 from kubesgl.cache_routing.cache_aware import CacheAwareRouter
 from kubesgl.routing import Candidate, LeastLoadRouter, Router, disaggregated
-from kubesgl.service.telemetry.metrics import RouterMetrics
+from kubesgl.runtime.telemetry.metrics import RouterMetrics
 
 _OUTCOME = {"least-load": "load", "round-robin": "turn"}
 

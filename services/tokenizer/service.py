@@ -39,10 +39,10 @@ from kubesgl.protocol import (
     headers,
 )
 from kubesgl.routing import SchedulerRegistry
-from kubesgl.service.lifecycle import TaskGroup
-from kubesgl.service.nats_conn import close
-from kubesgl.service.telemetry.metrics import TokenizerMetrics
-from kubesgl.service.telemetry.tracing import (
+from kubesgl.runtime.lifecycle import TaskGroup
+from kubesgl.runtime.nats_conn import close
+from kubesgl.runtime.telemetry.metrics import TokenizerMetrics
+from kubesgl.runtime.telemetry.tracing import (
     ATTR_MODEL,
     ATTR_RID,
     SPAN_TOKENIZE,

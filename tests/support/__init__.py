@@ -1,1 +1,1 @@
-"""Helpers shared by the tests (tests/layout.toml lists them)."""
+"""Helpers shared by the tests (`from support.<module> import ...`)."""

@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from kubesgl.service.telemetry.metrics import (
+from kubesgl.runtime.telemetry.metrics import (
     DetokenizerMetrics,
     GatewayMetrics,
     SchedulerMetrics,

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import httpx
-from kubesgl.service.listen import listen_socket
+from kubesgl.runtime.listen import listen_socket
 
 
 class GatewayProcess:

@@ -10,7 +10,7 @@ functions and `if TYPE_CHECKING:` blocks count too) and reports:
 - a module that no entry of `LAYERS` covers (a new package must be given its floor);
 - a `LIBRARY` module (the engine and what it stands on) importing the wire or the service side:
   NATS, HTTP, Prometheus, OpenTelemetry, msgpack, msgspec, pydantic, `kubesgl.codec`, `kubesgl.protocol` or
-  `kubesgl.service`.
+  `kubesgl.runtime`.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "kubesgl.openai_api",
         "kubesgl.tool_formats",
     ),  # pure logic over the wire's values
-    ("kubesgl.service",),  # service glue: NATS, admin HTTP, metrics, tracing, local processes
+    ("kubesgl.runtime",),  # the service runtime: NATS, admin HTTP, metrics, tracing, local processes
     (  # processes: the services, the launcher and the command line
         "kubesgl.services",
         "kubesgl.launcher",
@@ -83,7 +83,7 @@ LIBRARY_FORBIDDEN = (
     "pydantic",
     "kubesgl.codec",
     "kubesgl.protocol",
-    "kubesgl.service",
+    "kubesgl.runtime",
 )
 
 

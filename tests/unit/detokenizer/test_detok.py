@@ -11,9 +11,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import nats
 import pytest
 from kubesgl import protocol as p
-from kubesgl.service.nats_server import NatsServer
-from kubesgl.service.telemetry.metrics import DetokenizerMetrics, new_registry
-from kubesgl.service.telemetry.tracing import Tracing
+from kubesgl.runtime.nats_server import NatsServer
+from kubesgl.runtime.telemetry.metrics import DetokenizerMetrics, new_registry
+from kubesgl.runtime.telemetry.tracing import Tracing
 from kubesgl.services.detokenizer.service import DetokenizerService
 from kubesgl.services.gateway.request_stream import RequestStream as GatewayStream
 from kubesgl.services.scheduler.streams import RequestStream

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import uvicorn
-from kubesgl.service.listen import listen_socket
+from kubesgl.runtime.listen import listen_socket
 from kubesgl.services.gateway.access_log import AccessLog, arrival_of
 from kubesgl.services.gateway.http_protocol import TimedHttpProtocol
 

@@ -33,7 +33,7 @@ from kubesgl.protocol import (
     gateway_subject,
     stats_subject,
 )
-from kubesgl.service.nats_server import NatsServer
+from kubesgl.runtime.nats_server import NatsServer
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from support.gateway_helpers import GatewayProcess, wait_http

@@ -14,7 +14,7 @@ import httpx
 import nats
 import psutil
 import pytest
-from kubesgl.service.nats_server import NatsServer
+from kubesgl.runtime.nats_server import NatsServer
 from support.gateway_helpers import GatewayProcess
 from support.waiting import wait_until_async
 from test_gateway_transport import MODEL, FakeMeshForGatewayTest, _chat, _delta, _sse

@@ -147,6 +147,6 @@ def test_tool_call_formats_are_one_package_that_the_gateway_and_the_tokenizer_sh
         for m in graph.files
         if m.startswith("kubesgl.tool_formats")
         for imp in graph.imports[m]
-        if imp.target.startswith(("kubesgl.openai_api", "kubesgl.services", "kubesgl.service"))
+        if imp.target.startswith(("kubesgl.openai_api", "kubesgl.services", "kubesgl.runtime"))
     ]
     assert outward == []

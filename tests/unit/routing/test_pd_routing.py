@@ -7,7 +7,7 @@ import pytest
 from kubesgl.cli import build_parser
 from kubesgl.protocol import GenerateRequest, Heartbeat
 from kubesgl.routing import Candidate, make_router
-from kubesgl.service.telemetry.metrics import RouterMetrics, new_registry
+from kubesgl.runtime.telemetry.metrics import RouterMetrics, new_registry
 from kubesgl.services.tokenizer.request_router import RequestRouter
 from kubesgl.values.sampling import SamplingParams
 

@@ -15,9 +15,9 @@ from collections import deque
 
 import psutil
 from kubesgl.errors import InvalidRequestError, KubesglError
-from kubesgl.service.telemetry.metrics import SchedulerMetrics, new_registry
-from kubesgl.service.telemetry.scheduler import SchedulerTelemetry
-from kubesgl.service.telemetry.tracing import Tracing
+from kubesgl.runtime.telemetry.metrics import SchedulerMetrics, new_registry
+from kubesgl.runtime.telemetry.scheduler import SchedulerTelemetry
+from kubesgl.runtime.telemetry.tracing import Tracing
 from kubesgl.services.scheduler.engine_loop import AbortRequest, AddRequest, QueryStats
 from kubesgl.services.scheduler.engine_process import EngineProcess, EngineProcessError
 from kubesgl.values.outputs import EngineStats, FinishReason, ModelInfo, RequestOutput

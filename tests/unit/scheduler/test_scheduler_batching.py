@@ -17,10 +17,10 @@ from collections.abc import AsyncIterator
 import nats
 import pytest
 from kubesgl import protocol as p
-from kubesgl.service.nats_server import NatsServer
-from kubesgl.service.telemetry.metrics import DetokenizerMetrics, SchedulerMetrics, new_registry
-from kubesgl.service.telemetry.scheduler import SchedulerTelemetry
-from kubesgl.service.telemetry.tracing import Tracing
+from kubesgl.runtime.nats_server import NatsServer
+from kubesgl.runtime.telemetry.metrics import DetokenizerMetrics, SchedulerMetrics, new_registry
+from kubesgl.runtime.telemetry.scheduler import SchedulerTelemetry
+from kubesgl.runtime.telemetry.tracing import Tracing
 from kubesgl.services.detokenizer.service import DetokenizerService
 from kubesgl.services.gateway.request_stream import RequestStream as GatewayStream
 from kubesgl.services.scheduler import app as scheduler_app

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 
 import pytest
-from kubesgl.service.telemetry.stats_log import StatsLog
+from kubesgl.runtime.telemetry.stats_log import StatsLog
 from kubesgl.values.outputs import EngineStats
 
 

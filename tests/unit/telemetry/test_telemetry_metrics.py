@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from kubesgl.service.telemetry.metrics import (
+from kubesgl.runtime.telemetry.metrics import (
     DetokenizerMetrics,
     GatewayMetrics,
     NatsMetrics,

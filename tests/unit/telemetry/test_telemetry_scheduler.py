@@ -8,9 +8,9 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from kubesgl.service.telemetry.metrics import SchedulerMetrics
-from kubesgl.service.telemetry.scheduler import SchedulerTelemetry
-from kubesgl.service.telemetry.tracing import (
+from kubesgl.runtime.telemetry.metrics import SchedulerMetrics
+from kubesgl.runtime.telemetry.scheduler import SchedulerTelemetry
+from kubesgl.runtime.telemetry.tracing import (
     SPAN_DECODE,
     SPAN_KV_TRANSFER,
     SPAN_PREFILL,

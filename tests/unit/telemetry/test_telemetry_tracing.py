@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from kubesgl.service.telemetry.tracing import SPAN_DETOKENIZE, SPAN_TOKENIZE, Tracing, extract, traceparent
+from kubesgl.runtime.telemetry.tracing import SPAN_DETOKENIZE, SPAN_TOKENIZE, Tracing, extract, traceparent
 from support.otlp_receiver import OtlpReceiver
 
 OTEL_VARS = (

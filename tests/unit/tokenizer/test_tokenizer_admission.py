@@ -13,8 +13,8 @@ import pytest
 from kubesgl import protocol as p
 from kubesgl.errors import ServiceUnavailableError
 from kubesgl.routing import SchedulerRegistry, make_router
-from kubesgl.service.telemetry.metrics import TokenizerMetrics, new_registry
-from kubesgl.service.telemetry.tracing import Tracing
+from kubesgl.runtime.telemetry.metrics import TokenizerMetrics, new_registry
+from kubesgl.runtime.telemetry.tracing import Tracing
 from kubesgl.services.tokenizer.request_router import RequestRouter
 from kubesgl.services.tokenizer.service import TokenizerService
 from kubesgl.text.tokenizer import ModelTokenizer

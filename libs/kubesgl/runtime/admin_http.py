@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry
 
-from kubesgl.service.telemetry.metrics import render
+from kubesgl.runtime.telemetry.metrics import render
 
 log = logging.getLogger("kubesgl.admin")
 
@@ -34,7 +34,7 @@ class AdminServer:
         sock: socket.socket | None = None,
     ) -> None:
         self.host, self.port = host, port
-        self._sock = sock  # an inherited listening socket (service/listen.py): serves there, not host:port
+        self._sock = sock  # an inherited listening socket (runtime/listen.py): serves there, not host:port
         self._ready = ready
         self._registry = registry
         self._server: asyncio.Server | None = None

@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from kubesgl.service.process import parent_death_signal
+from kubesgl.runtime.process import parent_death_signal
 
 
 def nats_server_binary() -> str:

@@ -9,7 +9,7 @@ import signal
 from collections.abc import Coroutine
 from typing import Any
 
-log = logging.getLogger("kubesgl.service.lifecycle")
+log = logging.getLogger("kubesgl.runtime.lifecycle")
 
 
 def configure_logging(level: str) -> None:

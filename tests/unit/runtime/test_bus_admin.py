@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 
 import httpx
-from kubesgl.service.admin_http import AdminServer
-from kubesgl.service.telemetry.metrics import DetokenizerMetrics, new_registry
+from kubesgl.runtime.admin_http import AdminServer
+from kubesgl.runtime.telemetry.metrics import DetokenizerMetrics, new_registry
 
 
 async def test_health_ready_and_metrics() -> None:

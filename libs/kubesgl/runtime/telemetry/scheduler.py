@@ -25,9 +25,9 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Span, Status, StatusCode
 
 from kubesgl.protocol import HEADER_TRACEPARENT, header_traceparent
-from kubesgl.service.telemetry.metrics import SchedulerMetrics
-from kubesgl.service.telemetry.stats_log import StatsLog
-from kubesgl.service.telemetry.tracing import (
+from kubesgl.runtime.telemetry.metrics import SchedulerMetrics
+from kubesgl.runtime.telemetry.stats_log import StatsLog
+from kubesgl.runtime.telemetry.tracing import (
     ATTR_CACHED_TOKENS,
     ATTR_DECODE_INSTANCE,
     ATTR_FINISH_REASON,

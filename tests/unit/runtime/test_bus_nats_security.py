@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import trustme
-from kubesgl.service.nats_conn import NatsSettings, close, connect
-from kubesgl.service.nats_server import NatsServer
+from kubesgl.runtime.nats_conn import NatsSettings, close, connect
+from kubesgl.runtime.nats_server import NatsServer
 
 
 async def _round_trip(settings: NatsSettings) -> None:

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from kubesgl.service.listen import inherited_socket, listen_socket
+from kubesgl.runtime.listen import inherited_socket, listen_socket
 
 
 def test_a_listening_socket_is_taken_at_once_and_accepts_before_anyone_serves() -> None:

@@ -12,12 +12,12 @@ from typing import Protocol
 from nats.aio.client import Client
 from prometheus_client import CollectorRegistry
 
-from kubesgl.service.admin_http import AdminServer
-from kubesgl.service.lifecycle import configure_logging, stop_on_signals
-from kubesgl.service.listen import inherited_socket_arg
-from kubesgl.service.nats_conn import NatsSettings, add_nats_arguments, connect
+from kubesgl.runtime.admin_http import AdminServer
+from kubesgl.runtime.lifecycle import configure_logging, stop_on_signals
+from kubesgl.runtime.listen import inherited_socket_arg
+from kubesgl.runtime.nats_conn import NatsSettings, add_nats_arguments, connect
 
-log = logging.getLogger("kubesgl.service")
+log = logging.getLogger("kubesgl.runtime")
 
 
 class BusService(Protocol):
