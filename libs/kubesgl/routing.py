@@ -87,10 +87,18 @@ class SchedulerRegistry:
         expiry_s: float = HEARTBEAT_INTERVAL_S * HEARTBEAT_MISSES_TO_EXPIRE,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """`clock` stamps each heartbeat as it is read, and judges silence until judge_at gives another."""
         self.expiry_s = expiry_s
         self._clock = clock
+        self._heard = clock
         self._seen: dict[str, tuple[Heartbeat, float]] = {}
         self._routed: dict[str, int] = {}
+
+    def judge_at(self, heard: Callable[[], float]) -> None:
+        """Judges silence at `heard` from now on: the time up to which the reading service has read everything
+        sent to it (runtime.heard_clock), so a reader that fell behind does not take its own lag for its
+        peers' death."""
+        self._heard = heard
 
     def observe(self, hb: Heartbeat) -> None:
         self._seen[hb.instance_id] = (hb, self._clock())
@@ -106,7 +114,7 @@ class SchedulerRegistry:
 
     def live(self) -> list[Heartbeat]:
         """Instances heard from within the expiry window (draining ones included); expired ones are dropped."""
-        now = self._clock()
+        now = self._heard()
         for iid in [i for i, (_, seen) in self._seen.items() if now - seen > self.expiry_s]:
             self.forget(iid)
         return [hb for hb, _ in self._seen.values()]

@@ -31,6 +31,7 @@ from kubesgl.protocol import (
     stats_subject,
 )
 from kubesgl.routing import SchedulerRegistry
+from kubesgl.runtime.heard_clock import HeardClock
 from kubesgl.runtime.telemetry.metrics import NatsMetrics
 from kubesgl.services.gateway.migration import MigrationPolicy
 from kubesgl.services.gateway.request_stream import RequestStream
@@ -69,6 +70,9 @@ class GatewayBus:
         self._connected_since = time.monotonic()
         self._watch: asyncio.Task[None] | None = None
         self.migration = MigrationPolicy()  # what a choice whose instance died may do (app.py sets it)
+        # Silence is judged on what this gateway has read (runtime.heard_clock), as the registry's is.
+        self.heard = HeardClock(nc)
+        registry.judge_at(self.heard)
 
     async def start(self) -> None:
         self._subs = [
@@ -76,10 +80,12 @@ class GatewayBus:
             await self.nc.subscribe(HEARTBEAT, cb=self._on_heartbeat),
         ]
         self._watch = asyncio.get_running_loop().create_task(self._watch_connection())
+        self.heard.start()
 
     async def stop(self) -> None:
         if self._watch is not None:
             self._watch.cancel()
+        await self.heard.stop()
         for sub in self._subs:
             await sub.unsubscribe()
         if self._tasks:
@@ -100,7 +106,7 @@ class GatewayBus:
         hb = next((hb for hb in self.registry.live() if hb.instance_id == instance_id), None)
         if hb is not None:
             return bool(epoch and hb.kv_epoch and hb.kv_epoch != epoch)
-        return time.monotonic() - self._connected_since > self.registry.expiry_s
+        return self.heard() - self._connected_since > self.registry.expiry_s
 
     def instance_epoch(self, instance_id: str) -> str:
         """The instance's process epoch (Heartbeat.kv_epoch) as last heard; "" when unknown or not published."""

@@ -94,7 +94,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_positive_float,
         default=30.0,
         help="seconds a decode instance waits for a prompt's prefill, or its KV pull, before prefilling it "
-        "itself (a prefill instance unlocks a handoff's pages after as long)",
+        "itself (a prefill instance unlocks a handoff's pages after as long); a prefill instance that stops "
+        "heartbeating is given up on sooner, after the heartbeat expiry",
     )
     parser.add_argument(
         "--enable-mixed-chunk",

@@ -3,8 +3,9 @@ engine/scheduler/disagg.py, which run on the engine thread (RunOnEngine commands
 
 Decode instance (owns the request): admission checks it as usual, then asks the named prefill instance
 (PrefillAsk); the PrefillDone that comes back is its first output, reported at once, and the pull of its KV;
-the pull's end sends KvRelease. No PrefillDone within the handoff timeout (a dead or stuck prefill instance), a
-failed pull, or a refused one: the request is prefilled here. Prefill instance: PrefillAsk -> a hand-off request;
+the pull's end sends KvRelease. No PrefillDone within the handoff timeout (a stuck prefill instance), its prefill
+instance silent for the heartbeat expiry or heartbeating as another process (dead, restarted), a failed pull, or
+a refused one: the request is prefilled here. Prefill instance: PrefillAsk -> a hand-off request;
 its handoff (or its end at the first token) -> PrefillDone to the decode instance; its pages stay locked until
 KvRelease, or the handoff timeout.
 
@@ -34,7 +35,11 @@ from kubesgl.engine.scheduler.disagg import (
 from kubesgl.errors import KubesglError
 from kubesgl.kv.kv_transfer import KvTransferAgent
 from kubesgl.protocol import (
+    HEARTBEAT,
+    HEARTBEAT_INTERVAL_S,
+    HEARTBEAT_MISSES_TO_EXPIRE,
     GenerateRequest,
+    Heartbeat,
     KvRelease,
     PrefillAsk,
     PrefillDone,
@@ -45,6 +50,7 @@ from kubesgl.protocol import (
     headers,
     prefill_subject,
 )
+from kubesgl.runtime.heard_clock import HeardClock
 from kubesgl.runtime.lifecycle import TaskGroup
 from kubesgl.runtime.telemetry.metrics import DisaggregationMetrics
 from kubesgl.runtime.telemetry.scheduler import SchedulerTelemetry
@@ -57,12 +63,19 @@ from nats.aio.msg import Msg
 log = logging.getLogger("kubesgl.scheduler.pd")
 
 
+# A prefill instance silent this long is dead to the decode side, as to the routers and gateways.
+PREFILL_EXPIRY_S = HEARTBEAT_INTERVAL_S * HEARTBEAT_MISSES_TO_EXPIRE
+
+
 @dataclass
 class _Ask:
     input_ids: list[int]
     params: SamplingParams
     prefill_instance: str
     at: float
+    epoch: (
+        str  # the prefill instance's process epoch when asked ("" unknown): another one knows nothing of it
+    )
 
 
 class PdHook:
@@ -86,10 +99,28 @@ class PdHook:
         self._asked: dict[str, _Ask] = {}  # decode: requests waiting for their PrefillDone
         self._prefill_of: dict[str, str] = {}  # decode: rid -> the prefill instance holding its pages
         self._decode_of: dict[str, str] = {}  # prefill: rid -> the decode instance that asked
+        # Decode: each instance's last heartbeat (monotonic time, process epoch), written by the event loop
+        # (one dict item assignment per heartbeat), read by the engine thread; silence is judged at the time
+        # up to which this process has read its messages (runtime.heard_clock), never at its own lag.
+        self._heard: dict[str, tuple[float, str]] = {}
+        self._heard_clock = HeardClock(nc)
+        self._listening_since = time.monotonic()
 
     async def start(self) -> None:
         subject = prefill_subject if self.mode is DisaggregationMode.PREFILL else handoff_subject
         await self.nc.subscribe(subject(self.instance_id), cb=self._on_message)
+        if self.mode is DisaggregationMode.DECODE:
+            self._listening_since = time.monotonic()
+            await self.nc.subscribe(HEARTBEAT, cb=self._on_heartbeat)
+            self._heard_clock.start()
+
+    async def _on_heartbeat(self, msg: Msg) -> None:
+        try:
+            hb = Heartbeat.from_bytes(msg.data)
+        except ProtocolError as e:
+            log.warning("dropping a malformed Heartbeat: %s", e)
+            return
+        self._heard[hb.instance_id] = (time.monotonic(), hb.kv_epoch)
 
     # -- event loop -------------------------------------------------------------------------------------
     def admit(self, req: GenerateRequest, done: Callable[[KubesglError | None], None]) -> Command:
@@ -101,7 +132,10 @@ class PdHook:
             except KubesglError as e:
                 done(e)
                 return []
-            self._asked[req.rid] = _Ask(req.input_ids, req.sampling, req.prefill_instance, time.monotonic())
+            epoch = self._heard.get(req.prefill_instance, (0.0, ""))[1]
+            self._asked[req.rid] = _Ask(
+                req.input_ids, req.sampling, req.prefill_instance, time.monotonic(), epoch
+            )
             trace = self.telemetry.on_remote_prefill(req.rid)
             ask = PrefillAsk(req.rid, self.instance_id, req.input_ids, req.sampling, req.deadline)
             self._publish(prefill_subject(req.prefill_instance), ask, headers(req.rid, req.deadline, trace))
@@ -181,13 +215,34 @@ class PdHook:
         for rid in ended:
             self._publish(prefill_subject(self._prefill_of.pop(rid)), KvRelease(rid))
         now = time.monotonic()
-        for rid in [r for r, a in self._asked.items() if now - a.at > self.handoff_timeout_s]:
+        heard = self._heard_clock()
+        for rid, prefill in self._prefill_of.items():
+            if self._silent_for(prefill, heard) > PREFILL_EXPIRY_S:
+                self._decode.give_up(rid)  # a pull from a dead peer may hang: the request goes on now
+        self._report(self._decode.take_ended())
+        for rid, why in [(r, w) for r, a in self._asked.items() if (w := self._no_prefill(a, now, heard))]:
             ask = self._asked.pop(rid)
-            log.warning("no prefill of %s from %s in time: prefilling it here", rid, ask.prefill_instance)
+            log.warning("no prefill of %s from %s (%s): prefilling it here", rid, ask.prefill_instance, why)
             self._decode.prefill_here(rid, ask.input_ids, ask.params)
             self.metrics.fallbacks.labels(reason="no_prefill").inc()
             self.telemetry.on_no_prefill(rid, ask.prefill_instance)
         return outputs
+
+    def _no_prefill(self, ask: _Ask, now: float, heard: float) -> str:
+        """Why `ask` will get no PrefillDone ("" while it may): the handoff timeout passed, or its prefill
+        instance stopped heartbeating (dead, or cut off from the bus) or restarted as another process."""
+        if now - ask.at > self.handoff_timeout_s:
+            return f"not within {self.handoff_timeout_s:g} s"
+        if (silent := self._silent_for(ask.prefill_instance, heard)) > PREFILL_EXPIRY_S:
+            return f"no heartbeat for {silent:.1f} s"
+        if ask.epoch and self._heard.get(ask.prefill_instance, (0.0, ""))[1] != ask.epoch:
+            return "it restarted"
+        return ""
+
+    def _silent_for(self, instance: str, heard: float) -> float:
+        """Seconds from `instance`'s last heartbeat (or this hook's start of listening, if none came) to
+        `heard`, the time up to which this process has read its messages."""
+        return heard - self._heard.get(instance, (self._listening_since, ""))[0]
 
     def _report(self, ends: list[TransferEnd]) -> None:
         """Pulls whose outcome came: into the metrics, and each as its request's kv transfer span."""

@@ -422,6 +422,7 @@ class SchedulerService:
 
     async def _heartbeats(self) -> None:
         await self._loaded.wait()
+        last = time.monotonic()
         while True:
             try:
                 await self._publish_heartbeat()
@@ -429,6 +430,10 @@ class SchedulerService:
             except Exception:  # a heartbeat missed is survivable; a heartbeat loop that died is not
                 log.exception("heartbeat failed")
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+            now = time.monotonic()
+            if now - last > 2 * HEARTBEAT_INTERVAL_S:  # peers declare this instance dead at 3 intervals
+                log.warning("heartbeat %.1f s late: this process's event loop was held up", now - last - 1)
+            last = now
 
     async def _publish_heartbeat(self) -> None:
         info, stats = self._info, self._engine.stats

@@ -39,6 +39,7 @@ from kubesgl.protocol import (
     headers,
 )
 from kubesgl.routing import SchedulerRegistry
+from kubesgl.runtime.heard_clock import HeardClock
 from kubesgl.runtime.lifecycle import TaskGroup
 from kubesgl.runtime.nats_conn import close
 from kubesgl.runtime.telemetry.metrics import TokenizerMetrics
@@ -88,6 +89,8 @@ class TokenizerService:
         self.model = model
         self.router = router
         self.registry = registry
+        self.heard = HeardClock(nc)  # silence is judged on what this service has read (runtime.heard_clock)
+        registry.judge_at(self.heard)
         self.metrics = metrics
         self.tracing = tracing
         self.kv_feed = kv_feed  # cache-aware routing's view of every instance's prefix cache
@@ -108,6 +111,7 @@ class TokenizerService:
         ]
         if self.kv_feed is not None:
             await self.kv_feed.start()
+        self.heard.start()
 
     def nats_reconnected(self) -> None:
         self.metrics.nats.on_reconnect()
@@ -124,6 +128,7 @@ class TokenizerService:
             with contextlib.suppress(Exception):  # a connection that is down has nothing to drain
                 await sub.unsubscribe()
         await self._tasks.wait(timeout_s)
+        await self.heard.stop()
         if self.kv_feed is not None:
             await self.kv_feed.stop()
         self._tokenize_thread.shutdown(wait=False)

@@ -27,8 +27,11 @@ ARGS = (
     "4",
     "--max-prefill-length",
     "24",
+    # Generous: under a loaded CI box a CPU prefill instance's first prompts (a JSON grammar's compile among
+    # them) are slow, and a decode instance that gave up on a live prefill instance would fail the
+    # no-fallback check. The kill below is noticed by the heartbeat expiry (~3 s), not by this timeout.
     "--disaggregation-timeout",
-    "15",
+    "300",
 )
 SHARED = "You are a careful assistant who answers briefly about the weather in mountain towns. "
 BODIES: list[dict[str, Any]] = [

@@ -280,3 +280,30 @@ def test_abort_mid_transfer_ends_request_and_frees_pages(family: Family) -> None
         for rid in pair.d_role.poll():
             pair.p_role.release(rid)
     assert pair.decode.pool.num_free + pair.decode.cache.evictable_pages == free
+
+
+def test_a_pull_given_up_when_its_prefill_instance_dies_goes_on_without_its_pages(family: Family) -> None:
+    """The bus side declares the prefill instance dead mid-pull (its heartbeats stopped): the request is
+    prefilled here at once, with the colocated tokens, and the pull's pages go back when NIXL lets go."""
+    both, pair = family.both, family.pair
+    ids = _prompt(31, 15)
+    (want,) = both.generate([ids], GREEDY)
+    free = pair.decode.pool.num_free + pair.decode.cache.evictable_pages
+    pair.add("gone", ids, GREEDY)
+    handoffs: list[KvHandoff] = []
+    while not handoffs:
+        handoffs = pair.step_prefill()
+    before = pair.d_role.counters.fallbacks
+    pair.receive(handoffs[0])
+    pair.d_role.take_ended()
+    assert pair.d_role.pulling("gone")
+    pair.d_role.give_up("gone")
+    pair.d_role.give_up("gone")  # every step asks again while the peer stays dead: one outcome
+    assert [e.outcome for e in pair.d_role.take_ended()] == [TransferOutcome.PEER_GONE]
+    assert pair.d_role.counters.fallbacks == before + 1
+    got = pair.run()
+    assert got["gone"]["token_ids"] == want["token_ids"]
+    while pair.d_role.busy:
+        for rid in pair.d_role.poll():
+            pair.p_role.release(rid)
+    assert pair.decode.pool.num_free + pair.decode.cache.evictable_pages == free

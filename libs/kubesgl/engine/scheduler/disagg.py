@@ -59,6 +59,7 @@ class TransferOutcome(enum.StrEnum):
     UNREACHABLE = "unreachable"  # NIXL could not start the read (the prefill agent is gone)
     FAILED = "failed"  # the read started and failed
     LATE = "late"  # still running past the timeout
+    PEER_GONE = "peer_gone"  # still running when the prefill instance was declared dead
     ABORTED = "aborted"  # the request was aborted during the pull
 
 
@@ -176,6 +177,13 @@ class DecodeRole:
             self._queue(pull.input_ids, pull.params, pull.handoff, fallback=False)
         self.scheduler.abort(rid)
 
+    def give_up(self, rid: str) -> None:
+        """The pull's prefill instance is gone: its request goes on without the pages (prefilled here) now,
+        not at the timeout; the pages are freed when NIXL lets go of them."""
+        pull = self._pulls.get(rid)
+        if pull is not None and not pull.queued:
+            self._go_without(pull, TransferOutcome.PEER_GONE)
+
     def poll(self) -> list[str]:
         """Advances the pulls (the engine loop calls it every step); returns the rids whose pulls ended."""
         self._unlock_admitted()
@@ -185,9 +193,7 @@ class DecodeRole:
             state = self.agent.poll(pull.tid)
             if state is TransferState.RUNNING:
                 if not pull.queued and now - pull.started > self.timeout_s:
-                    pull.queued = True  # its pages are freed when NIXL lets go of them
-                    self._end(pull.handoff, TransferOutcome.LATE, pull.started, pull.started_ns)
-                    self._queue(pull.input_ids, pull.params, pull.handoff, fallback=True)
+                    self._go_without(pull, TransferOutcome.LATE)
                 continue
             del self._pulls[rid]
             ended.append(rid)
@@ -203,6 +209,11 @@ class DecodeRole:
                     self._end(pull.handoff, TransferOutcome.FAILED, pull.started, pull.started_ns)
                     self._queue(pull.input_ids, pull.params, pull.handoff, fallback=True)
         return ended
+
+    def _go_without(self, pull: _Pull, outcome: TransferOutcome) -> None:
+        pull.queued = True  # its pages are freed when NIXL lets go of them
+        self._end(pull.handoff, outcome, pull.started, pull.started_ns)
+        self._queue(pull.input_ids, pull.params, pull.handoff, fallback=True)
 
     def take_ended(self) -> list[TransferEnd]:
         """The pulls whose outcome came since the last call (the bus side makes their spans and metrics)."""
