@@ -10,6 +10,7 @@ from typing import Any
 
 from kubesgl.service.telemetry.metrics import (
     DetokenizerMetrics,
+    DisaggregationMetrics,
     GatewayMetrics,
     SchedulerMetrics,
     TokenizerMetrics,
@@ -75,7 +76,8 @@ def _registries() -> list[Any]:
     """One registry per kubesgl service, holding every metric that service exports."""
     registries = []
     for build in (
-        lambda r: SchedulerMetrics(r, "m", page_size=1, num_pages=1),
+        # A prefill or decode instance adds its handoff metrics to the scheduler's.
+        lambda r: (SchedulerMetrics(r, "m", page_size=1, num_pages=1), DisaggregationMetrics(r)),
         GatewayMetrics,
         TokenizerMetrics,
         DetokenizerMetrics,
