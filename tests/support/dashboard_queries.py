@@ -34,8 +34,11 @@ _PROMQL_WORDS = {
 _PROMQL_WORDS |= {"inf", "nan"}
 
 
-def dashboards() -> dict[str, dict[str, Any]]:
-    return {p.name: json.loads(p.read_text()) for p in sorted(DASHBOARDS.glob("*.json"))}
+def dashboards(roles: bool = True) -> dict[str, dict[str, Any]]:
+    """The chart's boards by file name; roles=False leaves out dashboards/roles/, which the chart loads only with
+    scheduler.roles (their series come from prefill and decode instances)."""
+    paths = sorted(DASHBOARDS.glob("*.json")) + (sorted(DASHBOARDS.glob("roles/*.json")) if roles else [])
+    return {p.name: json.loads(p.read_text()) for p in paths}
 
 
 def panels(dashboard: dict[str, Any]) -> list[dict[str, Any]]:
