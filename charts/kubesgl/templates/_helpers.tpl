@@ -82,15 +82,20 @@ kubesgl.io/nats-client: "true"
 {{- end -}}
 {{- end -}}
 
-{{/* Names of the scheduler pods that serve /metrics: a StatefulSet's pods, a LeaderWorkerSet's leaders
-(<name>-<group>; its workers, <name>-<group>-<index>, serve no metrics), or both roles' StatefulSets' pods. */}}
-{{- define "kubesgl.schedulerPodPattern" -}}
-{{- $name := include "kubesgl.componentName" (dict "root" . "component" "scheduler") -}}
-{{- if .Values.scheduler.roles.enabled -}}
-{{- printf "%s-(prefill|decode)-[0-9]+" $name -}}
-{{- else -}}
-{{- printf "%s-[0-9]+" $name -}}
+{{/* Names of the pods of one StatefulSet (or a LeaderWorkerSet's leaders, <name>-<group>; its workers,
+<name>-<group>-<index>, serve no metrics), as a regular expression: (dict "root" $ "component" C "pd" P). */}}
+{{- define "kubesgl.podPattern" -}}
+{{- printf "%s-[0-9]+" (include "kubesgl.componentName" .) -}}
 {{- end -}}
+
+{{/* Names of every scheduler pod that serves /metrics: the one StatefulSet's (or LeaderWorkerSet's), or both
+disaggregation roles'. */}}
+{{- define "kubesgl.schedulerPodPattern" -}}
+{{- $ctx := dict "root" . "component" "scheduler" -}}
+{{- if .Values.scheduler.roles.enabled -}}
+{{- $_ := set $ctx "pd" "(prefill|decode)" -}}
+{{- end -}}
+{{- include "kubesgl.podPattern" $ctx -}}
 {{- end -}}
 
 {{/* The scheduler StatefulSets' disaggregation roles, comma-separated: "prefill,decode" with scheduler.roles

@@ -292,7 +292,6 @@ volumeClaimTemplates:
 {{- end }}
 {{- end -}}
 
-
 {{/* UCX's settings for NIXL's KV transfer between prefill and decode pods (scheduler.roles.transfer). Its TCP
 listeners take ports from the range only, so the NetworkPolicy opens those and not UCX's default, any port of the
 kernel's ephemeral range; the agents' metadata goes over NATS (NIXL's own listener is off). */}}
@@ -318,7 +317,7 @@ maxReplicas merged in), each of T a Prometheus trigger (dict "series" S "thresho
 {{- $root := .root -}}
 {{- $a := .autoscaling -}}
 {{- $name := include "kubesgl.componentName" . -}}
-{{- $pods := printf "namespace=%q,pod=~%q" $root.Release.Namespace (printf "%s-[0-9]+" $name) -}}
+{{- $pods := printf "namespace=%q,pod=~%q" $root.Release.Namespace (include "kubesgl.podPattern" .) -}}
 apiVersion: keda.sh/v1alpha1
 kind: ScaledObject
 metadata:
