@@ -15,6 +15,7 @@ import yaml
 from support.chart import ROOT, render
 from support.dashboard_queries import exported_labels, exported_names, metric_names
 from support.operator_scrape import TARGET_LABELS
+from test_kustomize import merged
 
 PROMTOOL = shutil.which("promtool")
 ALERT_TESTS = ROOT / "tests" / "data" / "alerts"
@@ -25,14 +26,24 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+ON = {"metrics": {"prometheusRule": {"enabled": True}}}
+# The chart renders these only with scheduler.roles (their series come from prefill and decode instances).
+ROLES = merged(ON, {"scheduler": {"roles": {"enabled": True}}})
+ROLE_ALERTS = {"KubesglPdFallbackStorm"}
+
+
 def rules(values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    on = {"metrics": {"prometheusRule": {"enabled": True}}}
-    [rule] = [o for o in render(on if values is None else values) if o["kind"] == "PrometheusRule"]
+    [rule] = [o for o in render(ON if values is None else values) if o["kind"] == "PrometheusRule"]
     return rule["spec"]["groups"]
 
 
-def alerts() -> list[dict[str, Any]]:
-    return [r for g in rules() for r in g["rules"]]
+def alerts(values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    return [r for g in rules(values) for r in g["rules"]]
+
+
+def every_alert() -> list[dict[str, Any]]:
+    """The default render's alerts and those only scheduler.roles adds."""
+    return alerts() + [a for a in alerts(ROLES) if a["alert"] in ROLE_ALERTS]
 
 
 def promtool(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -50,10 +61,11 @@ def test_promtool_checks_the_rendered_rules(tmp_path: Path) -> None:
     for groups in (
         rules(),
         rules({"metrics": {"prometheusRule": {"enabled": True, "for": {"ttft": "30m"}}}}),
+        rules(ROLES),
     ):
         done = promtool("check", "rules", str(write_rules(tmp_path, groups)), cwd=tmp_path)
         assert done.returncode == 0, done.stdout + done.stderr
-        assert f"SUCCESS: {len(alerts())} rules found" in done.stdout
+        assert f"SUCCESS: {sum(len(g['rules']) for g in groups)} rules found" in done.stdout
     # promtool does reject a broken rule (the check above can fail).
     broken = [{"name": "x", "rules": [{"alert": "Broken", "expr": "sum(rate(x[5m])"}]}]
     done = promtool("check", "rules", str(write_rules(tmp_path, broken)), cwd=tmp_path)
@@ -61,7 +73,7 @@ def test_promtool_checks_the_rendered_rules(tmp_path: Path) -> None:
 
 
 def test_every_alert_has_a_unit_test_that_fires_and_one_that_does_not() -> None:
-    names = {a["alert"] for a in alerts()}
+    names = {a["alert"] for a in every_alert()}
     assert names == {p.name.removesuffix(".test.yaml") for p in ALERT_TESTS.glob("*.test.yaml")}
     for name in names:
         spec = yaml.safe_load((ALERT_TESTS / f"{name}.test.yaml").read_text())
@@ -72,7 +84,7 @@ def test_every_alert_has_a_unit_test_that_fires_and_one_that_does_not() -> None:
 
 @pytest.mark.parametrize("test_file", sorted(p.name for p in ALERT_TESTS.glob("*.test.yaml")))
 def test_promtool_unit_tests(test_file: str, tmp_path: Path) -> None:
-    write_rules(tmp_path, rules())
+    write_rules(tmp_path, rules(ROLES if test_file.removesuffix(".test.yaml") in ROLE_ALERTS else None))
     shutil.copy(ALERT_TESTS / test_file, tmp_path / test_file)
     done = promtool("test", "rules", test_file, cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -95,7 +107,7 @@ def test_unit_test_series_are_labelled_as_the_operator_scrape_stores_them() -> N
 
 def test_alerts_use_only_exported_metrics() -> None:
     exported = exported_names() | {"up"}
-    for alert in alerts():
+    for alert in every_alert():
         used = metric_names(alert["expr"])
         assert used and not used - exported, f"{alert['alert']}: {used - exported} is exported by no service"
 
@@ -111,7 +123,7 @@ def _anchors(markdown: str) -> set[str]:
 
 def test_every_alert_links_its_runbook_section() -> None:
     anchors = _anchors(RUNBOOK.read_text())
-    for alert in alerts():
+    for alert in every_alert():
         annotations = alert["annotations"]
         assert annotations["summary"] and annotations["description"], alert["alert"]
         base, _, anchor = annotations["runbook_url"].partition("#")
@@ -122,8 +134,23 @@ def test_every_alert_links_its_runbook_section() -> None:
 
 def test_rules_are_scoped_to_the_release() -> None:
     """Every selector names this release's namespace and pods: two releases in one Prometheus never mix."""
-    for alert in alerts():
+    for alert in every_alert():
         selectors = re.findall(r"\{([^}]*)\}", alert["expr"])
         assert selectors, alert["alert"]
         for selector in selectors:
             assert 'namespace="llm"' in selector and 'pod=~"kubesgl-' in selector, (alert["alert"], selector)
+
+
+def test_roles_add_the_fallback_alert_and_point_the_scheduler_alerts_at_both_roles() -> None:
+    """With scheduler.roles the instances are <release>-scheduler-prefill-N and -decode-N: the scheduler alerts
+    must see them (KubesglNoLiveScheduler would fire forever otherwise), the fallback alert only decode ones."""
+    assert not {a["alert"] for a in alerts()} & ROLE_ALERTS
+    by_name = {a["alert"]: a["expr"] for a in alerts(ROLES)}
+    assert by_name.keys() >= ROLE_ALERTS
+    for name, expr in by_name.items():
+        patterns = [p for p in re.findall(r'pod=~"([^"]+)"', expr) if p.startswith("kubesgl-scheduler")]
+        for pattern in patterns:
+            roles = {r for r in ("prefill", "decode") if re.fullmatch(pattern, f"kubesgl-scheduler-{r}-3")}
+            assert roles == ({"decode"} if name in ROLE_ALERTS else {"prefill", "decode"}), (name, pattern)
+            assert not re.fullmatch(pattern, "kubesgl-scheduler-0"), (name, pattern)
+    assert by_name["KubesglNoLiveScheduler"].count("scheduler-(prefill|decode)") == 1

@@ -49,6 +49,7 @@ HF_SIZE = {"model": {"huggingface": {"storage": {"size": "80Gi"}}}}
 PVC_SOURCE = {"model": {"source": "pvc", "pvc": {"claimName": "models"}}}
 FULL = VALUE_SETS["full-features"]
 MULTI = VALUE_SETS["multinode-gpu"]
+ROLES = VALUE_SETS["disaggregation"]
 
 # case -> (installed values, new values, the refusal names, the StatefulSet/Deployment it names)
 REFUSED: dict[str, tuple[dict[str, Any], dict[str, Any], str, str]] = {
@@ -124,6 +125,12 @@ REFUSED: dict[str, tuple[dict[str, Any], dict[str, Any], str, str]] = {
         "model.source changed (installed: huggingface, now: pvc)",
         "leaderworkerset kubesgl-scheduler",
     ),
+    "a disaggregation role's model volume size": (
+        ROLES,
+        merged(ROLES, HF_SIZE),
+        "model.huggingface.storage.size changed (installed: 50Gi, now: 80Gi)",
+        "statefulset kubesgl-scheduler-prefill",
+    ),
     "selector labels": (
         {"fullnameOverride": "kubesgl"},
         {"fullnameOverride": "kubesgl", "nameOverride": "llm"},
@@ -190,6 +197,17 @@ def test_multinode_upgrade_reads_the_leaderworkerset_and_allows_mutable_changes(
         f"/apis/leaderworkerset.x-k8s.io/v1/namespaces/{NAMESPACE}/leaderworkersets/{RELEASE}-scheduler"
         in gets
     )
+
+
+def test_switching_roles_on_checks_only_the_statefulsets_it_keeps(cluster: FakeKubeAPI) -> None:
+    """<release>-scheduler goes when scheduler.roles turns on (Helm deletes it): a claim change there is no
+    immutable-field update, so the upgrade renders; the role StatefulSets it keeps are read and checked."""
+    cluster.install(render({}), NAMESPACE)
+    on = merged(ROLES, HF_SIZE)
+    assert render_installed(cluster, on) == render_text(on)
+    gets = {path for method, path in cluster.requests if method == "GET"}
+    for pd in ("prefill", "decode"):
+        assert f"/apis/apps/v1/namespaces/{NAMESPACE}/statefulsets/{RELEASE}-scheduler-{pd}" in gets
 
 
 def test_lookup_reads_the_installed_objects(cluster: FakeKubeAPI) -> None:

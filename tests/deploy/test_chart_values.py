@@ -227,6 +227,23 @@ BAD_VALUES: dict[str, tuple[dict[str, Any], str]] = {
         {"nats": {"bundled": {"pdb": {"enabled": True, "maxUnavailable": 0}}}},
         "maxUnavailable",
     ),
+    "disaggregation roles with tensor parallelism": (
+        {"scheduler": {"tp": 2, "roles": {"enabled": True}}},
+        "tp",
+    ),
+    "a role of no instances": ({"scheduler": {"roles": {"decode": {"replicas": 0}}}}, "replicas"),
+    "a role scaled to zero": (
+        {"scheduler": {"roles": {"prefill": {"autoscaling": {"minReplicas": 0}}}}},
+        "minReplicas",
+    ),
+    "decode KV usage target above 1": (
+        {"scheduler": {"roles": {"decode": {"autoscaling": {"kvUsagePerReplica": 80}}}}},
+        "kvUsagePerReplica",
+    ),
+    "transfer port below 1024": ({"scheduler": {"roles": {"transfer": {"ports": {"from": 80}}}}}, "from"),
+    "misspelt role key": ({"scheduler": {"roles": {"prefill": {"replica": 2}}}}, "replica"),
+    "a role that does not exist": ({"scheduler": {"roles": {"both": {"replicas": 1}}}}, "both"),
+    "UCX transports as a list": ({"scheduler": {"roles": {"transfer": {"ucxTls": ["tcp"]}}}}, "ucxTls"),
     "negative per-key limit": ({"gateway": {"maxConcurrentPerKey": -1}}, "maxConcurrentPerKey"),
     "fractional per-key limit": ({"gateway": {"maxConcurrentPerKey": 2.5}}, "maxConcurrentPerKey"),
 }

@@ -35,7 +35,14 @@ REQUIRED = {
     "preemptions (counter)": "sglang:num_retracted_requests_total",
     "engine start-up time": "sglang:engine_startup_time",
     "weight load time": "sglang:engine_load_weights_time",
+    # Prefill/decode disaggregation (dashboards/roles/): each role's scaling signals and the handoffs between them.
+    "pending prefill tokens": "kubesgl_scheduler_pending_prefill_tokens",
+    "prompts handed off": "kubesgl_pd_handoffs_total",
+    "KV transfer bytes": "kubesgl_pd_transfer_bytes_total",
+    "KV transfer latency": "kubesgl_pd_transfer_duration_seconds_bucket",
+    "fallbacks by reason": "kubesgl_pd_fallbacks_total",
 }
+ROLE_PODS = {"prefill": '".+-scheduler-prefill-[0-9]+"', "decode": '".+-scheduler-decode-[0-9]+"'}
 
 
 def test_metric_name_parser_skips_functions_labels_and_keywords() -> None:
@@ -45,7 +52,7 @@ def test_metric_name_parser_skips_functions_labels_and_keywords() -> None:
 
 def test_dashboards_are_well_formed() -> None:
     found = dashboards()
-    assert set(found) >= {"kubesgl-serving.json", "kubesgl-services.json"}
+    assert set(found) >= {"kubesgl-serving.json", "kubesgl-services.json", "kubesgl-disaggregation.json"}
     uids = [d["uid"] for d in found.values()]
     assert len(set(uids)) == len(uids)
     for name, dash in found.items():
@@ -92,3 +99,19 @@ def test_no_panel_groups_by_a_label_the_scrape_sets_for_kubernetes() -> None:
             for grouping in re.findall(r"\b(?:by|without)\s*\(([^)]*)\)", expr):
                 used = {label.strip() for label in grouping.split(",")}
                 assert not used & {"instance", "service", "endpoint"}, f"{name}: {expr}"
+
+
+def test_role_board_panels_each_chart_one_role() -> None:
+    """The prefill/decode board's queries select the pods of the role their row names (the StatefulSets
+    <release>-scheduler-prefill and -decode), so a prefill instance's load never reads as a decode one's."""
+    board = dashboards()["kubesgl-disaggregation.json"]
+    role = None
+    for panel in panels(board):
+        if panel["type"] == "row":
+            role = panel["title"].split()[0].lower()
+            continue
+        assert role in ROLE_PODS, panel["title"]
+        for target in panel["targets"]:
+            selectors = re.findall(r"pod=~(\"[^\"]*\")", target["expr"])
+            assert selectors and set(selectors) == {ROLE_PODS[role]}, (panel["title"], target["expr"])
+    assert set(dashboards()) - set(dashboards(roles=False)) == {"kubesgl-disaggregation.json"}

@@ -210,7 +210,9 @@ def test_torch_pins_match_the_makefile() -> None:
         args = [rest for s in stages(dockerfile) for kw, rest in s.instructions if kw == "ARG"]
         assert f"TORCH_VERSION={pin.group(1)}" in args, dockerfile
     cuda_build = " ".join(rest for kw, rest in stages("Dockerfile.cuda")[0].instructions if kw == "RUN")
-    assert 'pip install ".[gpu]"' in cuda_build
+    # NIXL too: the chart's prefill and decode pods (scheduler.roles) move KV with it.
+    assert 'pip install ".[gpu,disagg]"' in cuda_build
+    assert any(r.startswith("nixl") for r in PYPROJECT["project"]["optional-dependencies"]["disagg"])
     # Both CPU targets carry the CPU-only torch build: the scheduler's engine, the services' xgrammar.
     cpu_build = " ".join(rest for kw, rest in stages("Dockerfile.cpu")[0].instructions if kw == "RUN")
     assert "download.pytorch.org/whl/cpu" in cpu_build

@@ -36,10 +36,15 @@ def test_a_broken_query_is_reported(prometheus: PrometheusServer) -> None:
         prometheus.query("sum by (le (rate(x[1m]))")
 
 
-def test_keda_query_is_empty_when_no_scheduler_is_scraped(prometheus: PrometheusServer) -> None:
+@pytest.mark.parametrize("roles", [False, True], ids=["one StatefulSet", "prefill and decode"])
+def test_keda_query_is_empty_when_no_scheduler_is_scraped(prometheus: PrometheusServer, roles: bool) -> None:
     """Without any scheduler series the result is an empty vector, which KEDA (ignoreNullValues "false") counts
-    as a failed poll towards the fallback; a query that read 0 would scale down blind."""
-    objects = render({"scheduler": {"autoscaling": {"enabled": True, "prometheusAddress": "http://p:9090"}}})
-    [trigger] = next(o for o in objects if o["kind"] == "ScaledObject")["spec"]["triggers"]
-    assert prometheus.query(trigger["metadata"]["query"]) == []
-    assert trigger["metadata"]["ignoreNullValues"] == "false"
+    as a failed poll towards the fallback; a query that read 0 would scale down blind. So for every trigger of
+    each disaggregation role's ScaledObject too."""
+    keda = {"enabled": True, "prometheusAddress": "http://p:9090"}
+    objects = render({"scheduler": {"autoscaling": keda, "roles": {"enabled": roles}}})
+    triggers = [t for o in objects if o["kind"] == "ScaledObject" for t in o["spec"]["triggers"]]
+    assert len(triggers) == (3 if roles else 1)
+    for trigger in triggers:
+        assert prometheus.query(trigger["metadata"]["query"]) == []
+        assert trigger["metadata"]["ignoreNullValues"] == "false"

@@ -5,19 +5,24 @@ the colocated prefill and decode take. The pair gives the greedy completions one
 prompts, a shared prefix, n=2, JSON mode, prompt logprobs); a prefill instance killed with requests in flight
 loses none (the decode instance prefills them itself after --disaggregation-timeout, generous here: a CPU
 prefill instance's first prompts are slow). One stack serves both tests; the second kills its prefill instance,
-so it runs last (tests/run.sh keeps a file's tests in order on one worker)."""
+so it runs last (tests/run.sh keeps a file's tests in order on one worker). The chart's prefill/decode board
+(dashboards/roles/) charts these two instances, scraped under the pod names the role StatefulSets give them:
+every query has data."""
 
 from __future__ import annotations
 
 import concurrent.futures
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from conftest import TEST_SCHEDULER_ARGS, StackFactory
-from kubesgl.launcher import Stack
+from kubesgl.launcher import ServiceProcess, Stack
+from support.dashboard_queries import concrete, dashboards, exprs
 from support.otlp_receiver import OtlpReceiver, ReceivedSpan
+from support.prometheus_server import PrometheusServer
 
 pytest.importorskip("nixl_cu12", reason="NIXL (the disagg extra) is not installed")
 
@@ -128,7 +133,7 @@ def test_a_disaggregated_request_traces_its_prefill_transfer_and_decode(
 
 
 def test_prefill_and_decode_instances_match_one_colocated_instance(
-    pd_stack: tuple[Stack, OtlpReceiver],
+    pd_stack: tuple[Stack, OtlpReceiver], tmp_path: Path
 ) -> None:
     stack, _ = pd_stack
     url = stack.gateway_urls[0]
@@ -140,6 +145,7 @@ def test_prefill_and_decode_instances_match_one_colocated_instance(
     assert _metric(decode.metrics_url, "kubesgl_pd_transfer_bytes_total") > 0
     assert _metric(decode.metrics_url, "kubesgl_pd_transfer_duration_seconds_count") >= 1
     assert _metric(decode.metrics_url, "kubesgl_pd_fallbacks_total") == 0
+    assert _empty_role_board_queries(prefill, decode, tmp_path / "prometheus") == []
 
     # The prefill instance dies with requests in flight: the decode instance prefills them; none is lost.
     with concurrent.futures.ThreadPoolExecutor(len(BODIES)) as pool:
@@ -166,3 +172,30 @@ def _metric(url: str, name: str) -> float:
         for line in text.splitlines()
         if line.startswith((name + " ", name + "{"))
     )
+
+
+def _empty_role_board_queries(prefill: ServiceProcess, decode: ServiceProcess, workdir: Path) -> list[str]:
+    """The role board's queries that return nothing when a Prometheus scrapes the two instances as the chart's
+    <release>-scheduler-prefill-0 and -decode-0 pods."""
+    workdir.mkdir()
+    jobs = [
+        {
+            "job_name": f"kubesgl-scheduler-{role}",
+            "static_configs": [
+                {
+                    "targets": [svc.metrics_url.removeprefix("http://").removesuffix("/metrics")],
+                    "labels": {"namespace": "llm", "pod": f"kubesgl-scheduler-{role}-0"},
+                }
+            ],
+        }
+        for role, svc in (("prefill", prefill), ("decode", decode))
+    ]
+    prometheus = PrometheusServer(workdir, targets={}, scrape_configs=jobs)
+    try:
+        prometheus.wait_ready()
+        # Three scrapes of both: rate() over the window has its two samples.
+        prometheus.wait_for("min(count_over_time(up[1m])) >= 3 and min(up) == 1", bool, timeout_s=30)
+        board = dashboards()["kubesgl-disaggregation.json"]
+        return [e for e in exprs(board) if not prometheus.query(concrete(e, rate_interval="1m"))]
+    finally:
+        prometheus.stop()

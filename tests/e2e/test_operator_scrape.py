@@ -5,7 +5,8 @@ stack with the scrape jobs the Prometheus Operator generates from the chart's Se
 pool under load (preemptions), a stopped detokenizer (the scheduler's batches time out and are sent again),
 requests past their deadline (504), two NATS restarts (reconnects) and, last, a killed scheduler. Every alert
 fires, except KubesglQueueGrowing, whose `offset 10m` cannot be met in a test of seconds (its promtool unit
-test, tests/data/alerts, takes the same relabelled label sets); every dashboard query returns data."""
+test, tests/data/alerts, takes the same relabelled label sets); every dashboard query returns data (the
+prefill/decode board's: tests/e2e/test_disaggregation_e2e.py, whose stack has those roles)."""
 
 from __future__ import annotations
 
@@ -108,7 +109,7 @@ def wait_firing(prometheus: PrometheusServer, names: set[str], timeout_s: float)
 def panel_expr(title: str) -> str:
     [expr] = [
         t["expr"]
-        for dash in dashboards().values()
+        for dash in dashboards(roles=False).values()
         for p in panels(dash)
         if p.get("title") == title
         for t in p["targets"]
@@ -123,7 +124,7 @@ def series_labels(prometheus: PrometheusServer) -> list[dict[str, str]]:
 def empty_dashboard_queries(prometheus: PrometheusServer) -> list[str]:
     return [
         f"{name}: {expr}"
-        for name, dash in dashboards().items()
+        for name, dash in dashboards(roles=False).items()
         for expr in exprs(dash)
         if not prometheus.query(concrete(expr, rate_interval="5m"))
     ]

@@ -10,6 +10,7 @@ from typing import Any
 
 from kubesgl.runtime.telemetry.metrics import (
     DetokenizerMetrics,
+    DisaggregationMetrics,
     GatewayMetrics,
     SchedulerMetrics,
     TokenizerMetrics,
@@ -33,8 +34,11 @@ _PROMQL_WORDS = {
 _PROMQL_WORDS |= {"inf", "nan"}
 
 
-def dashboards() -> dict[str, dict[str, Any]]:
-    return {p.name: json.loads(p.read_text()) for p in sorted(DASHBOARDS.glob("*.json"))}
+def dashboards(roles: bool = True) -> dict[str, dict[str, Any]]:
+    """The chart's boards by file name; roles=False leaves out dashboards/roles/, which the chart loads only with
+    scheduler.roles (their series come from prefill and decode instances)."""
+    paths = sorted(DASHBOARDS.glob("*.json")) + (sorted(DASHBOARDS.glob("roles/*.json")) if roles else [])
+    return {p.name: json.loads(p.read_text()) for p in paths}
 
 
 def panels(dashboard: dict[str, Any]) -> list[dict[str, Any]]:
@@ -75,7 +79,8 @@ def _registries() -> list[Any]:
     """One registry per kubesgl service, holding every metric that service exports."""
     registries = []
     for build in (
-        lambda r: SchedulerMetrics(r, "m", page_size=1, num_pages=1),
+        # A prefill or decode instance adds its handoff metrics to the scheduler's.
+        lambda r: (SchedulerMetrics(r, "m", page_size=1, num_pages=1), DisaggregationMetrics(r)),
         GatewayMetrics,
         TokenizerMetrics,
         DetokenizerMetrics,

@@ -17,20 +17,25 @@
 {{- end -}}
 {{- end -}}
 
-{{/* Name of one component's objects: kubesgl.componentName (dict "root" $ "component" "gateway"). */}}
+{{/* Name of one component's objects: kubesgl.componentName (dict "root" $ "component" "gateway"); a scheduler
+disaggregation role's (scheduler.roles) with "pd" "prefill" or "decode": <release>-scheduler-prefill. */}}
 {{- define "kubesgl.componentName" -}}
 {{- printf "%s-%s" (include "kubesgl.fullname" .root | trunc 50 | trimSuffix "-") .component -}}
+{{- with .pd }}-{{ . }}{{ end -}}
 {{- end -}}
 
 {{- define "kubesgl.chart" -}}
 {{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 
-{{/* Selector labels of one component: (dict "root" $ "component" "gateway"). */}}
+{{/* Selector labels of one component: (dict "root" $ "component" "gateway"); with "pd", its role's pods only. */}}
 {{- define "kubesgl.selectorLabels" -}}
 app.kubernetes.io/name: {{ include "kubesgl.name" .root }}
 app.kubernetes.io/instance: {{ .root.Release.Name }}
 app.kubernetes.io/component: {{ .component }}
+{{- with .pd }}
+kubesgl.io/pd-role: {{ . }}
+{{- end }}
 {{- end -}}
 
 {{/* Full labels of one component's objects. */}}
@@ -77,10 +82,26 @@ kubesgl.io/nats-client: "true"
 {{- end -}}
 {{- end -}}
 
-{{/* Names of the scheduler pods that serve /metrics: a StatefulSet's pods, or a LeaderWorkerSet's leaders
-(<name>-<group>; its workers, <name>-<group>-<index>, serve no metrics). */}}
+{{/* Names of the pods of one StatefulSet (or a LeaderWorkerSet's leaders, <name>-<group>; its workers,
+<name>-<group>-<index>, serve no metrics), as a regular expression: (dict "root" $ "component" C "pd" P). */}}
+{{- define "kubesgl.podPattern" -}}
+{{- printf "%s-[0-9]+" (include "kubesgl.componentName" .) -}}
+{{- end -}}
+
+{{/* Names of every scheduler pod that serves /metrics: the one StatefulSet's (or LeaderWorkerSet's), or both
+disaggregation roles'. */}}
 {{- define "kubesgl.schedulerPodPattern" -}}
-{{- printf "%s-[0-9]+" (include "kubesgl.componentName" (dict "root" . "component" "scheduler")) -}}
+{{- $ctx := dict "root" . "component" "scheduler" -}}
+{{- if .Values.scheduler.roles.enabled -}}
+{{- $_ := set $ctx "pd" "(prefill|decode)" -}}
+{{- end -}}
+{{- include "kubesgl.podPattern" $ctx -}}
+{{- end -}}
+
+{{/* The scheduler StatefulSets' disaggregation roles, comma-separated: "prefill,decode" with scheduler.roles
+enabled, else "" (the one StatefulSet of whole-request instances). `splitList ","` gives the list to range over. */}}
+{{- define "kubesgl.schedulerRoles" -}}
+{{- if .Values.scheduler.roles.enabled -}}prefill,decode{{- end -}}
 {{- end -}}
 
 {{/* The scheduler workload's apiVersion and kind, as YAML. */}}

@@ -5,12 +5,16 @@ The scheduler's pod template, shared by the one-node StatefulSet and the multi-n
   "leader": node 0 of a group: rank 0 and its local ranks, the engine, NATS, /metrics, probes;
   "worker": node 1..nodes-1: only its ranks, executing rank 0's plans (no NATS, no admin port).
 Every role runs the same `kubesgl scheduler` engine flags: the ranks of one group must agree on them.
+With "pd" "prefill" or "decode" (scheduler.roles, single only) the pod runs that disaggregation mode, with its
+role's resources, node selector and arguments, and UCX's settings for the KV transfer.
 */}}
 {{- define "kubesgl.schedulerPodTemplate" -}}
 {{- $root := .root -}}
 {{- $role := .role -}}
 {{- $s := $root.Values.scheduler -}}
-{{- $ctx := dict "root" $root "component" "scheduler" -}}
+{{- $ctx := dict "root" $root "component" "scheduler" "pd" .pd -}}
+{{- $pd := dict -}}
+{{- if .pd }}{{ $pd = index $s.roles .pd }}{{ end -}}
 {{- $image := include "kubesgl.schedulerImage" $root | fromYaml -}}
 {{- $gpu := eq $s.device "cuda" -}}
 {{- $serves := ne $role "worker" -}}
@@ -117,7 +121,13 @@ spec:
         {{- if $s.disableOverlap }}
         - --disable-overlap
         {{- end }}
-        {{- range $s.extraArgs }}
+        {{- with .pd }}
+        - --disaggregation-mode
+        - {{ . }}
+        - --disaggregation-timeout
+        - {{ $s.roles.timeoutSeconds | quote }}
+        {{- end }}
+        {{- range concat $s.extraArgs (default (list) $pd.extraArgs) }}
         - {{ . | quote }}
         {{- end }}
       env:
@@ -127,6 +137,9 @@ spec:
         {{- else }}
         - name: OTEL_SDK_DISABLED
           value: "true"
+        {{- end }}
+        {{- if .pd }}
+        {{- include "kubesgl.ucxEnv" $root | nindent 8 }}
         {{- end }}
         {{- with $s.extraEnv }}
         {{- toYaml . | nindent 8 }}
@@ -167,7 +180,7 @@ spec:
       securityContext:
         {{- toYaml $root.Values.containerSecurityContext | nindent 8 }}
       resources:
-        {{- $res := deepCopy $s.resources }}
+        {{- $res := deepCopy (default $s.resources $pd.resources) }}
         {{- if $gpu }}
         {{- $limits := default dict $res.limits }}
         {{- $_ := set $limits "nvidia.com/gpu" $gpusPerPod }}
@@ -199,7 +212,7 @@ spec:
       emptyDir:
         sizeLimit: 1Gi
     {{- end }}
-  {{- with $s.nodeSelector }}
+  {{- with default $s.nodeSelector $pd.nodeSelector }}
   nodeSelector:
     {{- toYaml . | nindent 4 }}
   {{- end }}
@@ -212,6 +225,45 @@ spec:
   {{- with $s.affinity }}
   affinity:
     {{- toYaml . | nindent 4 }}
+  {{- end }}
+{{- end -}}
+
+{{/* A StatefulSet of scheduler instances (scheduler.nodes = 1): (dict "root" $ "component" "scheduler" "pd" P),
+P "" for whole-request instances, "prefill" or "decode" for a disaggregation role's (scheduler.roles.<P>). */}}
+{{- define "kubesgl.schedulerStatefulSet" -}}
+{{- $root := .root -}}
+{{- $s := $root.Values.scheduler -}}
+{{- $ctx := dict "root" $root "component" "scheduler" "pd" .pd -}}
+{{- $replicas := $s.replicas -}}
+{{- if .pd }}{{ $replicas = (index $s.roles .pd).replicas }}{{ end -}}
+apiVersion: apps/v1
+kind: StatefulSet
+metadata:
+  name: {{ include "kubesgl.componentName" $ctx }}
+  labels:
+    {{- include "kubesgl.labels" $ctx | nindent 4 }}
+spec:
+  {{- if not $s.autoscaling.enabled }}
+  replicas: {{ $replicas }}
+  {{- end }}
+  serviceName: {{ include "kubesgl.componentName" $ctx }}
+  # Instances are independent replicas of the model: start and replace them in parallel.
+  podManagementPolicy: {{ $s.podManagementPolicy }}
+  updateStrategy:
+    type: RollingUpdate
+    {{- with $s.rollout.partition }}
+    rollingUpdate:
+      # Pods with an ordinal below this keep the old revision (a canary: lower it to roll on).
+      partition: {{ . }}
+    {{- end }}
+  revisionHistoryLimit: 5
+  selector:
+    matchLabels:
+      {{- include "kubesgl.selectorLabels" $ctx | nindent 6 }}
+  template:
+    {{- include "kubesgl.schedulerPodTemplate" (dict "root" $root "role" "single" "pd" .pd) | nindent 4 }}
+  {{- with include "kubesgl.schedulerClaims" $root }}
+  {{- . | nindent 2 }}
   {{- end }}
 {{- end -}}
 
@@ -238,4 +290,78 @@ volumeClaimTemplates:
         requests:
           storage: {{ .Values.model.huggingface.storage.size }}
 {{- end }}
+{{- end -}}
+
+{{/* UCX's settings for NIXL's KV transfer between prefill and decode pods (scheduler.roles.transfer). Its TCP
+listeners take ports from the range only, so the NetworkPolicy opens those and not UCX's default, any port of the
+kernel's ephemeral range; the agents' metadata goes over NATS (NIXL's own listener is off). */}}
+{{- define "kubesgl.ucxEnv" -}}
+{{- $t := .Values.scheduler.roles.transfer -}}
+- name: UCX_TCP_PORT_RANGE
+  value: {{ printf "%d-%d" (int $t.ports.from) (int $t.ports.to) | quote }}
+{{- with $t.ucxTls }}
+- name: UCX_TLS
+  value: {{ . | quote }}
+{{- end }}
+{{- with $t.ucxNetDevices }}
+- name: UCX_NET_DEVICES
+  value: {{ . | quote }}
+{{- end }}
+{{- end -}}
+
+{{/* KEDA ScaledObject of the scheduler StatefulSet (or LeaderWorkerSet) named by (dict "root" $ "component"
+"scheduler" "pd" P "autoscaling" A "triggers" T): A is scheduler.autoscaling (a role's minReplicas and
+maxReplicas merged in), each of T a Prometheus trigger (dict "series" S "threshold" N "why" (comment lines), and a
+"name" where there are several) on sum(max by (pod) (S)) over the StatefulSet's pods. */}}
+{{- define "kubesgl.schedulerScaledObject" -}}
+{{- $root := .root -}}
+{{- $a := .autoscaling -}}
+{{- $name := include "kubesgl.componentName" . -}}
+{{- $pods := printf "namespace=%q,pod=~%q" $root.Release.Namespace (include "kubesgl.podPattern" .) -}}
+apiVersion: keda.sh/v1alpha1
+kind: ScaledObject
+metadata:
+  name: {{ $name }}
+  labels:
+    {{- include "kubesgl.labels" . | nindent 4 }}
+spec:
+  scaleTargetRef:
+    {{- include "kubesgl.schedulerWorkload" $root | nindent 4 }}
+    name: {{ $name }}
+  # Never 0 (values.schema.json): a release without schedulers has no signal to wake on (the gateways turn
+  # NotReady and refuse requests, so nothing queues anywhere).
+  minReplicaCount: {{ $a.minReplicas }}
+  maxReplicaCount: {{ $a.maxReplicas }}
+  pollingInterval: {{ $a.pollingInterval }}
+  {{- if $a.fallback.enabled }}
+  # Prometheus unreachable (or the query failing) failureThreshold polls in a row: hold this many instances.
+  fallback:
+    failureThreshold: {{ $a.fallback.failureThreshold }}
+    replicas: {{ $a.fallback.replicas }}
+    behavior: {{ $a.fallback.behavior }}
+  {{- end }}
+  advanced:
+    horizontalPodAutoscalerConfig:
+      # A new instance loads its model for minutes while the queue stays long: adding pods faster than
+      # they load only piles up more loading pods (scaleUp), and a model load is too dear to undo a
+      # minute later (scaleDown).
+      behavior:
+        {{- toYaml $a.behavior | nindent 8 }}
+  triggers:
+    {{- range .triggers }}
+    - type: prometheus
+      {{- with .name }}
+      name: {{ . }}
+      {{- end }}
+      metadata:
+        serverAddress: {{ $a.prometheusAddress | quote }}
+        {{- range .why }}
+        # {{ . }}
+        {{- end }}
+        query: {{ printf "sum(max by (pod) (%s{%s}))" .series $pods | quote }}
+        threshold: {{ .threshold | quote }}
+        # An empty result (no scheduler's queue scraped: Prometheus lost the targets, or the metric vanished) is
+        # an error, so it counts towards fallback.failureThreshold; "true" would read it as 0 and scale down blind.
+        ignoreNullValues: "false"
+    {{- end }}
 {{- end -}}

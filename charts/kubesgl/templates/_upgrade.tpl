@@ -28,9 +28,9 @@ orphaning the object and upgrading again (the default) does not work. */}}
 {{- end -}}
 
 {{/* The installed object's selector must equal the one this render gives it:
-(dict "root" $ "live" obj "kind" "StatefulSet" "component" "scheduler"). */}}
+(dict "root" $ "live" obj "kind" "StatefulSet" "component" "scheduler"), with "pd" a scheduler role's. */}}
 {{- define "kubesgl.checkSelector" -}}
-{{- $ctx := dict "root" .root "component" .component -}}
+{{- $ctx := dict "root" .root "component" .component "pd" .pd -}}
 {{- $want := include "kubesgl.selectorLabels" $ctx | fromYaml -}}
 {{- $have := dig "spec" "selector" "matchLabels" dict .live -}}
 {{- if ne (toJson $have) (toJson $want) -}}

@@ -125,9 +125,10 @@ spec:
       {{- end }}
 {{- end -}}
 
-{{/* Headless Service naming a component's pods, for DNS and the ServiceMonitor. */}}
+{{/* Headless Service naming a component's pods, for DNS and the ServiceMonitor: (dict "root" $ "component"
+"scheduler" "port" 9000), with "pd" a scheduler role's. */}}
 {{- define "kubesgl.headlessService" -}}
-{{- $ctx := dict "root" .root "component" .component -}}
+{{- $ctx := dict "root" .root "component" .component "pd" .pd -}}
 apiVersion: v1
 kind: Service
 metadata:

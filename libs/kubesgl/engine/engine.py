@@ -205,6 +205,7 @@ class Engine:
             cached_tokens_total=n.cached_tokens,
             generation_tokens_total=n.generation_tokens,
             retracted_total=n.preemptions,
+            pending_prefill_tokens=s.pending_prefill_tokens(),
         )
 
     def shutdown(self) -> None:

@@ -73,6 +73,7 @@ class EngineStats:
     cached_tokens_total: int = 0
     generation_tokens_total: int = 0
     retracted_total: int = 0  # requests preempted (retracted) to free KV pages for others, since start
+    pending_prefill_tokens: int = 0  # queued requests' tokens and running prefills' rest (Scheduler)
 
     @property
     def token_usage(self) -> float:

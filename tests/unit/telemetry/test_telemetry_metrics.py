@@ -7,6 +7,7 @@ import re
 import pytest
 from kubesgl.runtime.telemetry.metrics import (
     DetokenizerMetrics,
+    DisaggregationMetrics,
     GatewayMetrics,
     NatsMetrics,
     SchedulerMetrics,
@@ -156,6 +157,25 @@ def test_step_sets_running_queued_and_token_usage() -> None:
     assert registry.get_sample_value("sglang:num_running_reqs", MODEL) == 3
     assert registry.get_sample_value("sglang:num_queue_reqs", MODEL) == 5
     assert registry.get_sample_value("sglang:token_usage", MODEL) == pytest.approx(0.75)
+
+
+def test_step_sets_the_tokens_still_to_prefill() -> None:
+    """What a prefill instance's KEDA trigger reads (scheduler.roles.prefill.autoscaling in the chart)."""
+    registry, m = scheduler()
+    m.on_step(EngineStats(0, 2, 100, 100, 100, 0, pending_prefill_tokens=5000))
+    assert registry.get_sample_value("kubesgl_scheduler_pending_prefill_tokens", MODEL) == 5000
+    m.on_step(stats())
+    assert registry.get_sample_value("kubesgl_scheduler_pending_prefill_tokens", MODEL) == 0
+
+
+def test_fallback_series_start_at_zero_for_each_reason() -> None:
+    """So the first fallback is an increase KubesglPdFallbackStorm's rate() sees, not a series born counted."""
+    registry = CollectorRegistry()
+    m = DisaggregationMetrics(registry)
+    for reason in ("no_prefill", "transfer"):
+        assert registry.get_sample_value("kubesgl_pd_fallbacks_total", {"reason": reason}) == 0
+    m.fallbacks.labels(reason="transfer").inc()
+    assert registry.get_sample_value("kubesgl_pd_fallbacks_total", {"reason": "transfer"}) == 1
 
 
 def test_gen_throughput_and_cache_hit_rate_cover_the_last_window() -> None:

@@ -74,6 +74,12 @@ class Scheduler:
             self.admission.waiting.remove(req)
         self.outputs.finish(req, FinishReason.ABORT)
 
+    def pending_prefill_tokens(self) -> int:
+        """Tokens still to prefill: every queued request's known ones (before any prefix-cache hit, found only at
+        admission) and what running requests have left of a chunked prefill. A prefill instance scales on it."""
+        queued = sum(r.num_known for r in self.admission.waiting)
+        return queued + sum(r.prefill_target - r.kv_len for r in self.memory.running if r.is_prefilling)
+
     def has_work(self) -> bool:
         return bool(self.admission.waiting or self.memory.running or self.outputs.has_unreported)
 

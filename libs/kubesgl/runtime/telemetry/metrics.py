@@ -137,6 +137,13 @@ class SchedulerMetrics:
 
         self.num_running_reqs = gauge("sglang:num_running_reqs", "The number of running requests.")
         self.num_queue_reqs = gauge("sglang:num_queue_reqs", "The number of requests in the waiting queue.")
+        # Ours (SGLang has none): the prefill work waiting, in tokens; what a prefill instance scales on (a
+        # request count weighs a 100-token prompt like a 32k one).
+        self.pending_prefill_tokens = gauge(
+            "kubesgl_scheduler_pending_prefill_tokens",
+            "Tokens still to prefill: the queued requests' (before prefix-cache hits) and the rest of running "
+            "chunked prefills.",
+        )
         self.token_usage = gauge("sglang:token_usage", "The token usage.")
         self.cache_hit_rate = gauge("sglang:cache_hit_rate", "The prefix cache hit rate.")
         self.gen_throughput = gauge("sglang:gen_throughput", "The generation throughput (token/s).")
@@ -224,6 +231,7 @@ class SchedulerMetrics:
         """Engine gauges; call at least once per window (e.g. every heartbeat) so rates decay to 0 when idle."""
         self.num_running_reqs.set(stats.num_running)
         self.num_queue_reqs.set(stats.num_queued)
+        self.pending_prefill_tokens.set(stats.pending_prefill_tokens)
         self.token_usage.set(stats.token_usage)
         self.num_used_tokens.set((stats.total_pages - stats.available_pages) * self._page_size)
         now = self._clock()
@@ -621,3 +629,7 @@ class DisaggregationMetrics:
             ["reason"],
             registry=registry,
         )
+        for reason in ("no_prefill", "transfer"):
+            # Both series exist from the start at 0: the first fallback is an increase that rate() and
+            # KubesglPdFallbackStorm see, and the dashboards chart 0 rather than nothing.
+            self.fallbacks.labels(reason)
