@@ -12,10 +12,9 @@ from typing import Any
 
 import pytest
 import yaml
-from support.chart import ROOT, render
+from support.chart import ROOT, merged, render
 from support.dashboard_queries import exported_labels, exported_names, metric_names
 from support.operator_scrape import TARGET_LABELS
-from test_kustomize import merged
 
 PROMTOOL = shutil.which("promtool")
 ALERT_TESTS = ROOT / "tests" / "data" / "alerts"

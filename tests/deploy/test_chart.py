@@ -20,16 +20,10 @@ import kubernetes_validate
 import pytest
 import yaml
 from kubesgl.cli import build_parser
-from support.chart import CHART, NAMESPACE, RELEASE, render
+from support.chart import CHART, NAMESPACE, RELEASE, VALUE_SETS, merged, render
 from support.crd_schemas import crd_kinds, validate_custom_resource
-from test_kustomize import merged
 
 KUBE_VERSION = "1.32.0"
-
-VALUE_SETS: dict[str, dict[str, Any]] = {"defaults": {}} | {
-    path.name.removesuffix("-values.yaml"): yaml.safe_load(path.read_text())
-    for path in sorted((CHART / "ci").glob("*-values.yaml"))
-}
 
 
 def one(objects: list[dict[str, Any]], kind: str, component: str) -> dict[str, Any]:

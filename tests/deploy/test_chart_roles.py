@@ -12,10 +12,9 @@ import helm_python
 import pytest
 import yaml
 from kubesgl.cli import build_parser
-from support.chart import CHART, NAMESPACE, RELEASE, render
+from support.chart import CHART, NAMESPACE, RELEASE, merged, render
 from support.dashboard_queries import exported_names, metric_names
 from test_chart import VALUE_SETS, _admits, _matches, arg, env
-from test_kustomize import merged
 
 ROLES = VALUE_SETS["disaggregation"]
 PDS = ("prefill", "decode")

@@ -16,10 +16,9 @@ from typing import Any
 import helm_python
 import pytest
 import yaml
-from support.chart import CHART, NAMESPACE, RELEASE, ROOT, render
+from support.chart import CHART, NAMESPACE, RELEASE, ROOT, merged, render
 from support.fake_kube_api import FakeKubeAPI
 from test_chart import VALUE_SETS, credential_files, one
-from test_kustomize import merged
 
 ORPHAN = f"kubectl -n {NAMESPACE} delete statefulset {{name}} --cascade=orphan"
 

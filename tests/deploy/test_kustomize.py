@@ -12,9 +12,8 @@ import helm_python
 import kubernetes_validate
 import pytest
 import yaml
+from support.chart import CHART, ROOT, merged
 
-ROOT = Path(__file__).resolve().parents[2]
-CHART = ROOT / "charts" / "kubesgl"
 K8S = ROOT / "k8s"
 KUBE_VERSION = "1.32.0"
 KUBECTL = shutil.which("kubectl")
@@ -45,16 +44,6 @@ def kustomize(path: Path) -> list[dict[str, Any]]:
     )
     assert done.returncode == 0, done.stderr
     return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
-
-
-def merged(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
-    """Deep merge of two values trees (override wins)."""
-    out = dict(base)
-    for key, value in override.items():
-        out[key] = (
-            merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-        )
-    return out
 
 
 def helm_objects(values: dict[str, Any]) -> list[dict[str, Any]]:

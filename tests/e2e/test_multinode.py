@@ -22,8 +22,7 @@ from conftest import StackFactory
 from kubesgl.launcher import Stack, free_port, http_ok
 from kubesgl.values.sampling import SamplingParams
 from support.bus_client import BusClient
-from test_chart import VALUE_SETS, render
-from test_kustomize import merged
+from support.chart import VALUE_SETS, merged, render
 
 pytestmark = pytest.mark.slow
 
