@@ -313,6 +313,21 @@ async def test_refusals_keep_their_status_and_openai_body(gateway, mesh) -> None
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
 
 
+async def _rest_after_silencing(gw: GatewayProcess, mesh: FakeMeshForGatewayTest) -> list[dict | str]:
+    """A chat stream read up to its "partial" delta; then the mesh's instance stops heartbeating, and what the
+    stream says after that (its events, then "[DONE]")."""
+    async with (
+        httpx.AsyncClient(base_url=gw.url, timeout=30) as client,
+        client.stream("POST", "/v1/chat/completions", json=_chat(stream=True)) as s,
+    ):
+        lines = s.aiter_lines()
+        async for line in lines:
+            if "partial" in line:
+                break
+        mesh.heartbeating = False
+        return [json.loads(x[6:]) if x != "data: [DONE]" else "[DONE]" async for x in lines if x]
+
+
 async def test_a_vanished_scheduler_ends_the_stream_with_a_clear_error(gateway, nats_url) -> None:
     mesh = await _mesh_for(gateway, nats_url, instance="sched-dies")
     mesh.plan = lambda req: [_delta(req.rid, mesh.instance, 0, "partial")]  # then silence
@@ -323,17 +338,8 @@ async def test_a_vanished_scheduler_ends_the_stream_with_a_clear_error(gateway, 
         else Admitted(rid=req.rid, instance_id=mesh.instance, prompt_tokens=3)
     )
     try:
-        async with (
-            httpx.AsyncClient(base_url=gateway.url, timeout=30) as client,
-            client.stream("POST", "/v1/chat/completions", json=_chat(stream=True)) as s,
-        ):
-            lines = s.aiter_lines()
-            async for line in lines:
-                if "partial" in line:
-                    break
-            mesh.heartbeating = False
-            started = time.monotonic()
-            rest = [json.loads(x[6:]) if x != "data: [DONE]" else "[DONE]" async for x in lines if x]
+        started = time.monotonic()
+        rest = await _rest_after_silencing(gateway, mesh)
         assert rest[-1] == "[DONE]"
         assert (
             rest[-2]["error"]["type"] == "service_unavailable"
@@ -410,16 +416,7 @@ async def test_a_migration_that_would_pause_the_stream_past_its_budget_fails_cle
         )
         mesh.plan = lambda req: [_delta(req.rid, "sched-slow", 0, "partial")]  # then silence
         try:
-            async with (
-                httpx.AsyncClient(base_url=gw.url, timeout=30) as client,
-                client.stream("POST", "/v1/chat/completions", json=_chat(stream=True)) as s,
-            ):
-                lines = s.aiter_lines()
-                async for line in lines:
-                    if "partial" in line:
-                        break
-                mesh.heartbeating = False
-                rest = [json.loads(x[6:]) if x != "data: [DONE]" else "[DONE]" async for x in lines if x]
+            rest = await _rest_after_silencing(gw, mesh)
             assert rest[-1] == "[DONE]"
             error = rest[-2]["error"]
             assert error["type"] == "service_unavailable", error
