@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Callable
 
 import nats.errors
 from nats.aio.client import Client
+
+log = logging.getLogger("kubesgl.nats")
 
 HEARD_INTERVAL_S = 0.25  # a round trip every quarter second: a PING and a PONG, nothing else
 
@@ -57,5 +60,8 @@ class HeardClock:
 
     async def _run(self) -> None:
         while True:
-            await self.round_trip()
+            try:
+                await self.round_trip()
+            except Exception:  # a clock that stopped would never judge a peer dead again: keep it going
+                log.exception("NATS round trip failed")
             await asyncio.sleep(self._interval_s)
