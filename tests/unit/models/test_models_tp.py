@@ -39,6 +39,9 @@ def _rank_main(rank: int, size: int, port: int, paths: list[Path], results: mp.Q
             if rank == 0:
                 # As numpy: a torch tensor would travel as a shared-memory fd that dies with this process.
                 results.put((str(path), logits.numpy()))
+        # Neither rank tears down its gloo pairs while the other may still use them: a rank once exited -6 (one
+        # run of 8 under `make test-numerics`, not reproduced in 14 more), as gloo aborts on a pair closed early.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
