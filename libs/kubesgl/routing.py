@@ -104,6 +104,23 @@ class SchedulerRegistry:
         self._seen[hb.instance_id] = (hb, self._clock())
         self._routed[hb.instance_id] = 0
 
+    def gone(self, instance_id: str, epoch: str = "", since: float = float("-inf")) -> bool:
+        """Dead to this reader: no heartbeat for the expiry, counted (at the judging clock) from its last one, or
+        from `since` if that is later or none came (when the reader began to listen, or last reconnected:
+        silence before that says nothing); or heartbeating under another process epoch than `epoch` ("" =
+        unknown): a restart under the same id, which knows nothing of the old process's requests. Reads one
+        entry and changes nothing, so another thread may ask while the event loop records heartbeats."""
+        seen = self._seen.get(instance_id)
+        last = since if seen is None else max(since, seen[1])
+        if self._heard() - last > self.expiry_s:
+            return True
+        return seen is not None and bool(epoch and seen[0].kv_epoch and seen[0].kv_epoch != epoch)
+
+    def epoch(self, instance_id: str) -> str:
+        """The instance's process epoch (Heartbeat.kv_epoch) as last heard; "" when unknown or not published."""
+        seen = self._seen.get(instance_id)
+        return seen[0].kv_epoch if seen is not None else ""
+
     def note_routed(self, instance_id: str) -> None:
         """Counts a request sent to `instance_id`, so a burst between heartbeats does not pile onto one."""
         self._routed[instance_id] = self._routed.get(instance_id, 0) + 1

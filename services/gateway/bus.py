@@ -101,16 +101,7 @@ class GatewayBus:
         """The instance stopped heartbeating while this gateway could hear it (a NATS outage is not its death),
         or, given the `epoch` it had, heartbeats with another one: a new process under the same id (a restarted
         pod), which knows nothing of the old one's requests."""
-        if not self.connected:
-            return False
-        hb = next((hb for hb in self.registry.live() if hb.instance_id == instance_id), None)
-        if hb is not None:
-            return bool(epoch and hb.kv_epoch and hb.kv_epoch != epoch)
-        return self.heard() - self._connected_since > self.registry.expiry_s
-
-    def instance_epoch(self, instance_id: str) -> str:
-        """The instance's process epoch (Heartbeat.kv_epoch) as last heard; "" when unknown or not published."""
-        return next((hb.kv_epoch for hb in self.registry.live() if hb.instance_id == instance_id), "")
+        return self.connected and self.registry.gone(instance_id, epoch, since=self._connected_since)
 
     def open(self, rid: str) -> RequestStream:
         """Registers the inbox before admission: the first delta can beat the Admitted reply."""

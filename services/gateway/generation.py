@@ -74,7 +74,7 @@ class ChoiceGeneration:
     async def admit(self) -> Admitted:
         self._stream = self.bus.open(self.request.rid)
         self.admitted = await self.bus.admit(self._stream, self.request, self.traceparent)
-        self._epoch = self.bus.instance_epoch(self.admitted.instance_id)
+        self._epoch = self.bus.registry.epoch(self.admitted.instance_id)
         return self.admitted
 
     def close(self) -> None:

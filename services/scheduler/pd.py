@@ -36,8 +36,6 @@ from kubesgl.errors import KubesglError
 from kubesgl.kv.kv_transfer import KvTransferAgent
 from kubesgl.protocol import (
     HEARTBEAT,
-    HEARTBEAT_INTERVAL_S,
-    HEARTBEAT_MISSES_TO_EXPIRE,
     GenerateRequest,
     Heartbeat,
     KvRelease,
@@ -50,6 +48,7 @@ from kubesgl.protocol import (
     headers,
     prefill_subject,
 )
+from kubesgl.routing import SchedulerRegistry
 from kubesgl.runtime.heard_clock import HeardClock
 from kubesgl.runtime.lifecycle import TaskGroup
 from kubesgl.runtime.telemetry.metrics import DisaggregationMetrics
@@ -63,19 +62,14 @@ from nats.aio.msg import Msg
 log = logging.getLogger("kubesgl.scheduler.pd")
 
 
-# A prefill instance silent this long is dead to the decode side, as to the routers and gateways.
-PREFILL_EXPIRY_S = HEARTBEAT_INTERVAL_S * HEARTBEAT_MISSES_TO_EXPIRE
-
-
 @dataclass
 class _Ask:
     input_ids: list[int]
     params: SamplingParams
     prefill_instance: str
     at: float
-    epoch: (
-        str  # the prefill instance's process epoch when asked ("" unknown): another one knows nothing of it
-    )
+    # The prefill instance's process epoch when asked ("" unknown): another process knows nothing of the ask.
+    epoch: str
 
 
 class PdHook:
@@ -99,11 +93,11 @@ class PdHook:
         self._asked: dict[str, _Ask] = {}  # decode: requests waiting for their PrefillDone
         self._prefill_of: dict[str, str] = {}  # decode: rid -> the prefill instance holding its pages
         self._decode_of: dict[str, str] = {}  # prefill: rid -> the decode instance that asked
-        # Decode: each instance's last heartbeat (monotonic time, process epoch), written by the event loop
-        # (one dict item assignment per heartbeat), read by the engine thread; silence is judged at the time
-        # up to which this process has read its messages (runtime.heard_clock), never at its own lag.
-        self._heard: dict[str, tuple[float, str]] = {}
+        # Decode: the instances' heartbeats, recorded by the event loop; the engine thread asks whether a
+        # prefill instance is gone, judged as the gateways judge schedulers (on what this process has read).
+        self._peers = SchedulerRegistry()
         self._heard_clock = HeardClock(nc)
+        self._peers.judge_at(self._heard_clock)
         self._listening_since = time.monotonic()
 
     async def start(self) -> None:
@@ -120,7 +114,7 @@ class PdHook:
         except ProtocolError as e:
             log.warning("dropping a malformed Heartbeat: %s", e)
             return
-        self._heard[hb.instance_id] = (time.monotonic(), hb.kv_epoch)
+        self._peers.observe(hb)
 
     # -- event loop -------------------------------------------------------------------------------------
     def admit(self, req: GenerateRequest, done: Callable[[KubesglError | None], None]) -> Command:
@@ -132,7 +126,7 @@ class PdHook:
             except KubesglError as e:
                 done(e)
                 return []
-            epoch = self._heard.get(req.prefill_instance, (0.0, ""))[1]
+            epoch = self._peers.epoch(req.prefill_instance)
             self._asked[req.rid] = _Ask(
                 req.input_ids, req.sampling, req.prefill_instance, time.monotonic(), epoch
             )
@@ -211,16 +205,14 @@ class PdHook:
             return self._after_prefill_step(outputs)
         assert self._decode is not None
         ended = self._decode.poll()
+        for rid, prefill in self._prefill_of.items():
+            if self._peers.gone(prefill, since=self._listening_since):
+                self._decode.give_up(rid)  # a pull from a dead peer may hang: the request goes on now
         self._report(self._decode.take_ended())  # while _prefill_of still names their prefill instances
         for rid in ended:
             self._publish(prefill_subject(self._prefill_of.pop(rid)), KvRelease(rid))
         now = time.monotonic()
-        heard = self._heard_clock()
-        for rid, prefill in self._prefill_of.items():
-            if self._silent_for(prefill, heard) > PREFILL_EXPIRY_S:
-                self._decode.give_up(rid)  # a pull from a dead peer may hang: the request goes on now
-        self._report(self._decode.take_ended())
-        for rid, why in [(r, w) for r, a in self._asked.items() if (w := self._no_prefill(a, now, heard))]:
+        for rid, why in [(r, w) for r, a in self._asked.items() if (w := self._no_prefill(a, now))]:
             ask = self._asked.pop(rid)
             log.warning("no prefill of %s from %s (%s): prefilling it here", rid, ask.prefill_instance, why)
             self._decode.prefill_here(rid, ask.input_ids, ask.params)
@@ -228,21 +220,14 @@ class PdHook:
             self.telemetry.on_no_prefill(rid, ask.prefill_instance)
         return outputs
 
-    def _no_prefill(self, ask: _Ask, now: float, heard: float) -> str:
+    def _no_prefill(self, ask: _Ask, now: float) -> str:
         """Why `ask` will get no PrefillDone ("" while it may): the handoff timeout passed, or its prefill
         instance stopped heartbeating (dead, or cut off from the bus) or restarted as another process."""
         if now - ask.at > self.handoff_timeout_s:
             return f"not within {self.handoff_timeout_s:g} s"
-        if (silent := self._silent_for(ask.prefill_instance, heard)) > PREFILL_EXPIRY_S:
-            return f"no heartbeat for {silent:.1f} s"
-        if ask.epoch and self._heard.get(ask.prefill_instance, (0.0, ""))[1] != ask.epoch:
-            return "it restarted"
+        if self._peers.gone(ask.prefill_instance, ask.epoch, since=self._listening_since):
+            return "it stopped heartbeating or restarted"
         return ""
-
-    def _silent_for(self, instance: str, heard: float) -> float:
-        """Seconds from `instance`'s last heartbeat (or this hook's start of listening, if none came) to
-        `heard`, the time up to which this process has read its messages."""
-        return heard - self._heard.get(instance, (self._listening_since, ""))[0]
 
     def _report(self, ends: list[TransferEnd]) -> None:
         """Pulls whose outcome came: into the metrics, and each as its request's kv transfer span."""

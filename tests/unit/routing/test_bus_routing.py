@@ -37,6 +37,23 @@ def test_silent_instance_expires_after_three_intervals() -> None:
     assert reg.live() == []
 
 
+def test_gone_counts_silence_from_the_last_heartbeat_or_the_readers_start_and_sees_a_restart() -> None:
+    clock, heard = FakeClockForRegistryTest(), FakeClockForRegistryTest()
+    reg = SchedulerRegistry(expiry_s=3.0, clock=clock)
+    reg.judge_at(heard)  # silence is judged at what the reader has read, not at the stamping clock
+    reg.observe(_hb("a", kv_epoch="e1"))
+    clock.now += 10.0  # the reader's wall clock runs on, but it has read nothing since
+    assert not reg.gone("a")
+    heard.now += 3.5
+    assert reg.gone("a")
+    assert not reg.gone("a", since=heard.now - 1.0)  # it began listening (or reconnected) 1 s ago
+    assert not reg.gone("never-heard", since=heard.now - 1.0) and reg.gone("never-heard", since=0.0)
+    heard.now = clock.now
+    reg.observe(_hb("a", kv_epoch="e2"))  # alive, but another process under the same id
+    assert reg.epoch("a") == "e2" and reg.epoch("never-heard") == ""
+    assert reg.gone("a", epoch="e1") and not reg.gone("a", epoch="e2") and not reg.gone("a")
+
+
 def test_candidates_skip_draining_and_other_models() -> None:
     reg = SchedulerRegistry()
     reg.observe(_hb("a"))
