@@ -7,7 +7,8 @@ the pull's end sends KvRelease. No PrefillDone within the handoff timeout (a stu
 instance silent for the heartbeat expiry or heartbeating as another process (dead, restarted), a failed pull, or
 a refused one: the request is prefilled here. Prefill instance: PrefillAsk -> a hand-off request;
 its handoff (or its end at the first token) -> PrefillDone to the decode instance; its pages stay locked until
-KvRelease, or the handoff timeout.
+KvRelease, or the handoff timeout. A decode instance that stops waiting (an abort, a fallback) sends KvRelease at
+once: a prompt still being computed is aborted, a handoff already sent is unlocked.
 
 Traces: the PrefillAsk carries the request's `traceparent` in its headers, as every admission does; the prefill
 instance's `prefill` span (PrefillAsk in, PrefillDone sent) and the decode instance's `kv transfer` span join the
@@ -213,12 +214,20 @@ class PdHook:
             self._publish(prefill_subject(self._prefill_of.pop(rid)), KvRelease(rid))
         now = time.monotonic()
         for rid, why in [(r, w) for r, a in self._asked.items() if (w := self._no_prefill(a, now))]:
-            ask = self._asked.pop(rid)
+            ask = self._asked[rid]
+            self._abandon(rid)
             log.warning("no prefill of %s from %s (%s): prefilling it here", rid, ask.prefill_instance, why)
             self._decode.prefill_here(rid, ask.input_ids, ask.params)
             self.metrics.fallbacks.labels(reason="no_prefill").inc()
             self.telemetry.on_no_prefill(rid, ask.prefill_instance)
         return outputs
+
+    def _abandon(self, rid: str) -> None:
+        """Stops waiting for the prompt's PrefillDone; the prefill instance is told to stop computing it, or to
+        unlock its pages if its handoff is already on the way (KvRelease either way)."""
+        ask = self._asked.pop(rid, None)
+        if ask is not None:
+            self._publish(prefill_subject(ask.prefill_instance), KvRelease(rid))
 
     def _no_prefill(self, ask: _Ask, now: float) -> str:
         """Why `ask` will get no PrefillDone ("" while it may): the handoff timeout passed, or its prefill
@@ -287,13 +296,15 @@ class PdHook:
     def _release(self, engine: Engine, rid: str) -> list[RequestOutput]:
         if self._prefill is not None:
             self._prefill.release(rid)
+            if self._decode_of.pop(rid, None) is not None:  # released before its handoff: no PrefillDone
+                self.telemetry.on_prefill_done(rid, 0, 0, error="released by the decode instance")
         return []
 
     def _received(self, engine: Engine, done: PrefillDone) -> list[RequestOutput]:
         self._roles(engine)
         assert self._decode is not None
         ask = self._asked.pop(done.rid, None)
-        if ask is None:  # aborted, or prefilled here already: the prefill side's pages can go
+        if ask is None:  # aborted, or prefilled here already: its KvRelease went out then (_abandon)
             return []
         n = len(ask.input_ids)
         out = RequestOutput(
@@ -315,7 +326,7 @@ class PdHook:
         return [first]
 
     def abort(self, engine: Engine, rid: str) -> None:
-        self._asked.pop(rid, None)
+        self._abandon(rid)
         self._decode_of.pop(rid, None)
         if self._decode is not None:
             self._decode.abort(rid)

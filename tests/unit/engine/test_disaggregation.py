@@ -307,3 +307,18 @@ def test_a_pull_given_up_when_its_prefill_instance_dies_goes_on_without_its_page
         for rid in pair.d_role.poll():
             pair.p_role.release(rid)
     assert pair.decode.pool.num_free + pair.decode.cache.evictable_pages == free
+
+
+def test_a_prompt_released_before_its_handoff_stops_and_locks_nothing(family: Family) -> None:
+    """The decode side gave up on a prompt still being computed (its request aborted, or prefilled there):
+    the prefill side aborts it, hands nothing off, and its pool is as before."""
+    pair = family.pair
+    prefill = pair.prefill
+    free = prefill.pool.num_free + prefill.cache.evictable_pages
+    pair.add("dropped", _prompt(41, 16), GREEDY)  # 41 tokens, 16 a step: three chunks
+    assert pair.step_prefill() == []  # the first chunk only
+    pair.p_role.release("dropped")
+    while prefill.has_work():
+        assert pair.step_prefill() == []
+    assert pair.results.pop("dropped")["finish_reason"] == FinishReason.ABORT
+    assert prefill.pool.num_free + prefill.cache.evictable_pages == free

@@ -98,9 +98,13 @@ class PrefillRole:
         return out
 
     def release(self, rid: str) -> None:
-        """The decode side has read the pages (or gave up): they become evictable cache again."""
-        lock, _ = self._locks.pop(rid, (None, 0.0))
-        self.scheduler.cache.release(lock)
+        """The decode side has read the pages, or no longer wants them (it gave up, or its request ended): a
+        handed-off prompt's pages become evictable cache again; a prompt still being computed is aborted."""
+        if rid in self._locks:
+            lock, _ = self._locks.pop(rid)
+            self.scheduler.cache.release(lock)
+        else:
+            self.scheduler.abort(rid)
 
     def release_older_than(self, seconds: float) -> list[str]:
         """Unlocks handoffs no decode instance finished in time (it died); returns their rids."""
