@@ -201,20 +201,13 @@ def test_headers_carry_rid_deadline_and_trace() -> None:
     assert h[p.HEADER_RID] == "r1" and h[p.HEADER_TRACEPARENT] == "00-ab-cd-01"
     assert p.header_deadline(h) == 1700000000.25
     assert p.header_deadline({p.HEADER_DEADLINE: "soon"}) is None
-
-
-def test_a_prefill_ask_carries_its_trace_in_headers_and_one_without_is_taken_untraced() -> None:
-    """A decode instance sends the PrefillAsk under the request's headers, as the tokenizer sends the
-    GenerateRequest; the body is unchanged, so an ask from a decode instance without tracing (or older: no headers
-    at all) is taken as before, with no trace context."""
-    sampling = SamplingParams()
+    # The trace rides the headers, never the body: a message without one (tracing off, an older sender, no
+    # headers at all) is taken untraced, a PrefillAsk as a GenerateRequest.
+    assert p.header_traceparent(h) == "00-ab-cd-01"
+    assert p.header_traceparent(p.headers("r1", 5.0)) is None and p.header_traceparent(None) is None
     ask = p.PrefillAsk(
-        rid="r1", decode_instance="decode-0", input_ids=[1, 2], sampling=sampling, deadline=5.0
+        rid="r1", decode_instance="d-0", input_ids=[1, 2], sampling=SamplingParams(), deadline=5.0
     )
-    h = p.headers(ask.rid, ask.deadline, traceparent="00-ab-cd-01")
-    assert p.header_traceparent(h) == "00-ab-cd-01" and p.header_deadline(h) == ask.deadline
-    assert p.header_traceparent(p.headers(ask.rid, ask.deadline)) is None
-    assert p.header_traceparent(None) is None
     assert p.decode(ask.to_bytes(), p.PrefillAsk, p.PrefillDone, p.KvRelease) == ask
 
 
