@@ -195,7 +195,7 @@ case "$mode" in
         # (NIXL from .pd/: PD=1 bash benchmark/device_wheels.sh fetches nixl-cu13, carried alone: 56 MiB)
     ls .pd/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --no-cache-dir --target /tmp/site-pd .pd/*.whl
     PYTHONPATH=/tmp/site-pd:$PYTHONPATH timeout 200 python3 benchmark/pd_transfer.py --device cuda --model Qwen3-0.6B \
-      --prompts 1024,8192,32768 --cuda-graph-max-bs 0 --json "$OUT/pd.jsonl" 2>&1 | grep -v "NIXL INFO" \
+      --prompts 1024,8192,32768 --reps 5 --cuda-graph-max-bs 0 --json "$OUT/pd.jsonl" 2>&1 | grep -v "NIXL INFO" \
       > "$OUT/pd_full.log"; tail -8 "$OUT/pd_full.log"
     ;;
   cache-save)  # the compile caches, for the next call's .gpu/ (each file must stay under 16 MB to come back)
