@@ -91,7 +91,7 @@ def main() -> None:
     rows = []
     with LLM(cfg.pop("model_path"), **cfg) as llm:
         agent = KvTransferAgent("decode", llm.engine.runner.kv)
-        role = DecodeRole(llm.engine.scheduler, agent)
+        role = DecodeRole(llm.engine.scheduler, agent, timeout_s=120.0)  # a slow pull is measured, not abandoned
         assert handoffs.get(timeout=600) == "ready"
         vocab = llm.engine.runner.model.vocab_size
         _first_token_s(llm, "warm", [rng.randrange(vocab) for _ in range(64)])
