@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 import importlib
+import os
 import struct
 import sys
 from array import array
@@ -89,6 +90,13 @@ class KvTransferAgent:
 
     def __init__(self, name: str, kv: KVCache) -> None:
         api = _nixl_api()
+        if kv.device.type == "cuda":
+            # UCX turns cuda_ipc's GET off on GPUs without active NVLink (a choice for all-to-all collectives,
+            # UCX PR 7566), and a one-sided READ of another process's GPU memory then falls back to software
+            # emulation over TCP loopback: 0.43 GB/s on the lent H100. Pulls are this design's only traffic,
+            # so GET over CUDA IPC is asked for (NIXL's UCX plugin does the same in later releases); an
+            # operator's own UCX_CUDA_IPC_ENABLE_GET_ZCOPY wins. Read when the agent's UCX context starts.
+            os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "on")
         self.name = name
         self.kv = kv
         try:
