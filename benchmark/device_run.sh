@@ -127,8 +127,8 @@ case "$mode" in
             # Pools sized so that both engines fit one 80 GB H100 at once (SERVE_KV overrides). ~5 min.
     M=/tmp/kubesgl-serve/Qwen3-0.6B; P=8000
     W="--num-seqs 256 --min-input 100 --max-input 1024 --min-output 100 --max-output 1024"
-    # --cuda-graph-max-bs 256 for both engines, as Mini-SGLang's benchmark sets it (the auto limit is 160 on an
-    # 80 GB card: on the H100 a decode step of more than 160 rows would run eager).
+    # --cuda-graph-max-bs 256 for both engines, as Mini-SGLang's benchmark sets it (the auto limit is 256 on an
+    # 80 GB card since 2026-12-06; it was Mini-SGLang's 160, and the H100 ran steps of more than 160 rows eager).
     KV=${SERVE_KV:---page-size 16 --num-pages 17000 --cuda-graph-max-bs 256}
     python3 -c "from kubesgl.models.random_init import write_serving_config as w; w('Qwen3-0.6B', '$M')"
     for cfg in proc thread; do

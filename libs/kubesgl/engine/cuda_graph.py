@@ -36,11 +36,21 @@ def capture_sizes(max_bs: int) -> list[int]:
 
 
 def auto_max_bs(device: torch.device, max_running: int) -> int:
-    """Mini-SGLang's default: 256 on a card of more than 80 GiB, else 160; never above max_running_requests.
+    """The largest decode batch captured when --cuda-graph-max-bs is not given (graph_max_bs_for the card).
 
     Judged on the card's size: by capture time the KV pool has already taken the free memory."""
     _, total = torch.cuda.mem_get_info(device)
-    return min(256 if total > 80 * 2**30 else 160, max_running)
+    return graph_max_bs_for(total, max_running)
+
+
+def graph_max_bs_for(total_bytes: int, max_running: int) -> int:
+    """256 on a card of 64 GiB or more, else 160; never above max_running_requests.
+
+    Mini-SGLang gives 256 only above 80 GiB (the H200), so an 80 GB H100 (79.2 GiB to CUDA) runs every decode
+    step of more than 160 rows eager. Measured on the lent H100 (two calls, 256 streams through one gateway):
+    7,355 tok/s at TPOT 29 ms with the 160 limit against 19,356 tok/s at TPOT 8.4 ms with 256, whose 20
+    graphs (Qwen3-0.6B) captured in 1.8 s."""
+    return min(256 if total_bytes >= 64 * 2**30 else 160, max_running)
 
 
 class GraphInputs(NamedTuple):
