@@ -91,7 +91,9 @@ def main() -> None:
     rows = []
     with LLM(cfg.pop("model_path"), **cfg) as llm:
         agent = KvTransferAgent("decode", llm.engine.runner.kv)
-        role = DecodeRole(llm.engine.scheduler, agent, timeout_s=120.0)  # a slow pull is measured, not abandoned
+        role = DecodeRole(
+            llm.engine.scheduler, agent, timeout_s=120.0
+        )  # a slow pull is measured, not abandoned
         assert handoffs.get(timeout=600) == "ready"
         vocab = llm.engine.runner.model.vocab_size
         _first_token_s(llm, "warm", [rng.randrange(vocab) for _ in range(64)])
@@ -131,14 +133,17 @@ def main() -> None:
                     "disagg_ttft_ms": 1e3 * med(ttft),
                     "kv_ready_ms": 1e3 * med(ready),
                     "added_ttft_ms": 1e3 * (med(ttft) - med(colo)),
-                    "receive_ms": 1e3 * med(recv),  # make room, allocate, start the READ (before the pull runs)
+                    "receive_ms": 1e3
+                    * med(recv),  # make room, allocate, start the READ (before the pull runs)
                 }
             )
         asks.put(None)
         child.join(60)
         agent.close()
     print(f"pd transfer ({args.device}, {args.model}, page {args.page_size}, median of {args.reps})")
-    print("prompt  KV GB   pull GB/s  colocated TTFT ms  disagg TTFT ms  KV ready ms  added TTFT ms  receive ms")
+    print(
+        "prompt  KV GB   pull GB/s  colocated TTFT ms  disagg TTFT ms  KV ready ms  added TTFT ms  receive ms"
+    )
     for r in rows:
         print(
             f"{r['prompt_tokens']:>6}  {r['kv_gb']:.4f}  {r['transfer_gbps']:>9.2f}  {r['colocated_ttft_ms']:>17.1f}"
