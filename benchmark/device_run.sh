@@ -101,8 +101,9 @@ case "$mode" in
           # SERVE_SCHED_ARGS="--no-engine-process": the engine on a thread of the scheduler's service process (one GIL).
     M=${SERVE_MODEL:-/tmp/kubesgl-serve/Qwen3-0.6B}; G=4; DEV=${SERVE_DEVICE:-cuda}; P=${SERVE_PORT:-8000}
     W=${SERVE_WORKLOAD:---num-seqs 256 --min-input 100 --max-input 1024 --min-output 100 --max-output 1024}
-    # Both engines hold their KV at once: fixed, equal pools (24k pages of 16 = 384k tokens; the workload needs 277k).
-    KV=${SERVE_KV:---page-size 16 --num-pages 24000}
+    # Both engines hold their KV at once: fixed, equal pools (24k pages of 16 = 384k tokens; the workload needs 277k);
+    # on an 80 GB card 17k pages (272k tokens: the offline engine beside the stack ran out of memory with 24k).
+    KV=${SERVE_KV:---page-size 16 --num-pages $(python3 -c "import torch; print(24000 if torch.cuda.get_device_properties(0).total_memory > 100 * 2**30 else 17000)")}
     [ -n "${SERVE_MODEL:-}" ] || python3 -c "from kubesgl.models.random_init import write_serving_config as w; w('Qwen3-0.6B', '$M')"
     URLS=$(seq -s, -f "http://127.0.0.1:%.0f" $P $((P + G - 1)))
     timeout 420 python3 -m kubesgl.cli up --model $M --device $DEV --port $P --base-port $((P + 100)) --gateways $G \
