@@ -1,4 +1,6 @@
-"""Prints the package's runtime requirements from pyproject.toml, minus the ones an image leaves out.
+"""Prints the package's runtime requirements from pyproject.toml, minus the ones an image leaves out, or one
+optional extra's (`--extra-only disagg`: NIXL, which the CPU scheduler image adds for the chart's prefill and
+decode roles).
 
 The CPU image (gateway, tokenizer, detokenizer) installs everything but torch: those services never
 import it, and the CUDA build of torch alone is gigabytes. Reading pyproject keeps the image in step
@@ -29,12 +31,25 @@ def runtime_requirements(pyproject: Path, without: set[str]) -> list[str]:
     return [req for req in project["dependencies"] if requirement_name(req) not in dropped]
 
 
+def extra_requirements(pyproject: Path, extra: str) -> list[str]:
+    """The requirements of the [project.optional-dependencies] group `extra`."""
+    extras = tomllib.loads(pyproject.read_text())["project"].get("optional-dependencies", {})
+    if extra not in extras:
+        raise SystemExit(f"pyproject.toml has no extra {extra!r} (it has: {', '.join(sorted(extras))})")
+    return list(extras[extra])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pyproject", type=Path, default=Path("pyproject.toml"))
     parser.add_argument("--without", action="append", default=[], help="distribution to leave out")
+    parser.add_argument("--extra-only", default=None, help="print only this optional extra's requirements")
     args = parser.parse_args(argv)
-    sys.stdout.write("".join(f"{req}\n" for req in runtime_requirements(args.pyproject, set(args.without))))
+    if args.extra_only is not None:
+        reqs = extra_requirements(args.pyproject, args.extra_only)
+    else:
+        reqs = runtime_requirements(args.pyproject, set(args.without))
+    sys.stdout.write("".join(f"{req}\n" for req in reqs))
     return 0
 
 

@@ -203,6 +203,37 @@ def test_cpu_image_installs_the_cpu_torch_then_every_other_requirement() -> None
     assert "requirements.py --without torch" in build and "pip install --no-deps ." in build
 
 
+def test_the_cpu_scheduler_image_carries_nixl_and_the_services_image_does_not() -> None:
+    """CPU prefill and decode roles (scheduler.roles with the CPU scheduler image) move KV with NIXL."""
+    by_name = {s.name: s for s in stages("Dockerfile.cpu")}
+    build = by_name["build-scheduler"]
+    assert build.base == "build"
+    run = " ".join(rest for kw, rest in build.instructions if kw == "RUN")
+    assert "requirements.py --extra-only disagg" in run and "pip install -r" in run
+    copies = {
+        name: [r for kw, r in by_name[name].instructions if kw == "COPY"]
+        for name in ("scheduler", "services")
+    }
+    assert copies["scheduler"] == ["--from=build-scheduler /opt/kubesgl /opt/kubesgl"]
+    assert copies["services"] == ["--from=build /opt/kubesgl /opt/kubesgl"]
+    done = subprocess.run(
+        [sys.executable, "docker/requirements.py", "--extra-only", "disagg"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
+    assert done.stdout.splitlines() == PYPROJECT["project"]["optional-dependencies"]["disagg"]
+    bad = subprocess.run(
+        [sys.executable, "docker/requirements.py", "--extra-only", "nope"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode != 0 and "no extra 'nope'" in bad.stderr
+
+
 def test_torch_pins_match_the_makefile() -> None:
     pin = re.search(r"torch==([0-9.]+)", (ROOT / "Makefile").read_text())
     assert pin is not None
