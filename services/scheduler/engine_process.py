@@ -28,6 +28,7 @@ import threading
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
+from multiprocessing.connection import wait as mp_wait
 from typing import Any
 
 from kubesgl.engine.engine import Engine
@@ -122,7 +123,7 @@ class EngineProcess:
         self._send(("stop",))
         start = time.monotonic()
         self._proc.join(timeout_s)
-        if self._proc.is_alive():
+        if not self._exited():
             waited = time.monotonic() - start
             log.error(
                 "engine process still running %.1f s after stop (limit %.0f s); killing it", waited, timeout_s
@@ -130,6 +131,13 @@ class EngineProcess:
             self._proc.kill()
             self._proc.join(5.0)
         self._reader.join(5.0)
+
+    def _exited(self) -> bool:
+        """Whether the engine process has ended. Its sentinel (a pipe only it holds open) says so even where its
+        exit status is gone: with SIGCHLD ignored, or a library in this process reaping children, waitpid
+        answers ECHILD and multiprocessing keeps calling the ended process alive (seen on the GPU box: every
+        stop logged a hang and killed a process that had exited)."""
+        return self._proc.exitcode is not None or bool(mp_wait([self._proc.sentinel], 0))
 
     def _expect(self, done: Callable[[Any], None]) -> int:
         token = next(self._tokens)

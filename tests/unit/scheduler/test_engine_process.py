@@ -190,3 +190,21 @@ def test_the_engine_process_stops_when_the_service_process_is_gone() -> None:
     except psutil.NoSuchProcess:
         return  # already gone
     engine.wait(WAIT_S)  # raises psutil.TimeoutExpired while the orphaned engine process lives on
+
+
+def test_a_stop_sees_the_engine_process_exit_even_when_another_reaper_took_its_status(caplog) -> None:
+    """With SIGCHLD ignored (or a library reaping children: seen on the GPU box), waitpid answers ECHILD and
+    multiprocessing reports the exited engine process as alive; stop must not call that a hang and kill it."""
+    import signal
+
+    with Side(5) as side:
+        pid = side.engine.pid
+        previous = signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the child itself
+        try:
+            with caplog.at_level("WARNING", logger="kubesgl.scheduler.engine"):
+                side.engine.stop(WAIT_S)
+        finally:
+            signal.signal(signal.SIGCHLD, previous)
+        assert not psutil.pid_exists(pid)
+        assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+        side.engine.stop = lambda timeout_s: None  # already stopped: Side's exit has nothing left to do
