@@ -36,7 +36,10 @@ class PagePool:
         return out[::-1]
 
     def free(self, pages: list[int]) -> None:
-        self._free.extend(pages)
+        """Freed pages are handed out again in the order given: a request's consecutive pages come back
+        consecutive and ascending. (Pushed as given, they came back descending, and a reused pool's request was
+        one KV-transfer region per page: the H100's second 32k-token pull spent 0.96 s posting 114,688 of them.)"""
+        self._free.extend(reversed(pages))
 
     def pages_for(self, num_tokens: int) -> int:
         """Pages needed to hold `num_tokens` tokens."""

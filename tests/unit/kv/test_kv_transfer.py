@@ -100,3 +100,22 @@ def test_a_description_of_another_geometry_is_refused() -> None:
     finally:
         d.close()
         p.close()
+
+
+def test_a_reused_pool_hands_out_consecutive_pages_ascending() -> None:
+    """What keeps a pull to a few regions on a busy pool: freed pages come back in their order. Before, a freed
+    request's pages came back descending, so every later pull of that length was one region per page."""
+    from kubesgl.kv.page_pool import PagePool
+
+    pool = PagePool(4097, 16)
+    first = pool.alloc(2048)
+    assert first == list(range(1, 2049))
+    pool.free(first)
+    again = pool.alloc(2048)
+    assert again == first
+    assert len(joint_runs(again, pool.alloc(2048))[0]) == 1  # both sides reused or fresh: one stretch
+    pool.free(again[:100])
+    pool.free(again[1000:1100])
+    mixed = pool.alloc(200)
+    assert mixed == again[1000:1100] + again[:100]  # the last freed first, each stretch ascending
+    assert len(joint_runs(mixed, list(range(5000, 5200)))[0]) == 2
