@@ -83,7 +83,7 @@ class KvLayout:
     num_layers: int
     num_pages: int
     page_bytes: int
-    bases: tuple[int, ...]
+    bases: tuple[int, int]  # K, V
 
     def run_regions(self, runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
         """(address, bytes) of each run of consecutive pages (first page, count) in every layer, K then V,

@@ -17,36 +17,29 @@ import enum
 import importlib
 import os
 import struct
-import sys
-from array import array
 from typing import Any
 
 from kubesgl.kv.kv_cache import KVCache, KvLayout
 
-_HEAD = struct.Struct(
-    "<4sIIIQQQ"
-)  # magic, device, layers, page bytes, pool pages, K base, V base; then page ids
+# magic, device, layers, page bytes, pool pages, K base, V base; then the page ids, little-endian u32
+_HEAD = struct.Struct("<4sIIIQQQ")
 _MAGIC = b"KVP1"
 
 
 def encode_pages(layout: KvLayout, pages: list[int]) -> bytes:
-    """A request's pages as a peer reads them: the cache's layout, then the page ids (little-endian u32)."""
-    ids = array("I", pages)
-    if sys.byteorder != "little":
-        ids.byteswap()
-    head = (layout.device, layout.num_layers, layout.page_bytes, layout.num_pages)
-    return _HEAD.pack(_MAGIC, *head, *layout.bases) + ids.tobytes()
+    """A request's pages as a peer reads them: the cache's layout, then the page ids."""
+    head = _HEAD.pack(
+        _MAGIC, layout.device, layout.num_layers, layout.page_bytes, layout.num_pages, *layout.bases
+    )
+    return head + struct.pack(f"<{len(pages)}I", *pages)
 
 
 def decode_pages(data: bytes) -> tuple[KvLayout, list[int]]:
     if len(data) < _HEAD.size or data[:4] != _MAGIC or (len(data) - _HEAD.size) % 4:
         raise ValueError("not a KV page description")
     _, dev, layers, page_bytes, num_pages, k_base, v_base = _HEAD.unpack_from(data)
-    ids = array("I")
-    ids.frombytes(data[_HEAD.size :])
-    if sys.byteorder != "little":
-        ids.byteswap()
-    return KvLayout(dev, layers, num_pages, page_bytes, (k_base, v_base)), ids.tolist()
+    pages = struct.unpack_from(f"<{(len(data) - _HEAD.size) // 4}I", data, _HEAD.size)
+    return KvLayout(dev, layers, num_pages, page_bytes, (k_base, v_base)), list(pages)
 
 
 def joint_runs(a: list[int], b: list[int]) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:

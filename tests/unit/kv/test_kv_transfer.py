@@ -91,15 +91,15 @@ def test_a_description_of_another_geometry_is_refused() -> None:
     pytest.importorskip("nixl_cu12", reason="NIXL (the disagg extra) is not installed")
     src = KVCache(3, 16, 4, 2, 8, torch.float32, "cpu")
     dst = KVCache(3, 16, 8, 2, 8, torch.float32, "cpu")  # another page size
-    p, d = KvTransferAgent("p-geo-test", src), KvTransferAgent("d-geo-test", dst)
+    p, d, d2 = (KvTransferAgent(n, kv) for n, kv in (("p-geo", src), ("d-geo", dst), ("d2-geo", src)))
     try:
         with pytest.raises(ValueError, match="KV geometry"):
             d.read(p.metadata(), p.describe([1, 2]), [3, 4])
         with pytest.raises(ValueError, match="2 pages described, 1 to fill"):
-            KvTransferAgent("d2-geo-test", src).read(p.metadata(), p.describe([1, 2]), [3])
+            d2.read(p.metadata(), p.describe([1, 2]), [3])
     finally:
-        d.close()
-        p.close()
+        for agent in (d2, d, p):
+            agent.close()
 
 
 def test_a_reused_pool_hands_out_consecutive_pages_ascending() -> None:
