@@ -233,7 +233,9 @@ def test_decode_reads_the_pulled_pages(family: Family) -> None:
     assert got["token_ids"] != want["token_ids"]
 
 
-def test_failed_transfer_falls_back_to_prefill_on_decode(family: Family) -> None:
+def test_failed_transfer_falls_back_to_prefill_on_decode(
+    family: Family, caplog: pytest.LogCaptureFixture
+) -> None:
     both, pair = family.both, family.pair
     ids = _prompt(29, 12)
     (want,) = both.generate([ids], GREEDY)
@@ -247,8 +249,10 @@ def test_failed_transfer_falls_back_to_prefill_on_decode(family: Family) -> None
     dead = KvHandoff(h.rid, h.seed, h.output, h.logprobs, h.num_pages, b"not an agent", h.descs)
     before = pair.d_role.counters.fallbacks
     pair.d_role.take_ended()
-    pair.receive(dead)
+    with caplog.at_level("WARNING", logger="kubesgl.scheduler.pd"):
+        pair.receive(dead)
     assert [e.outcome for e in pair.d_role.take_ended()] == [TransferOutcome.UNREACHABLE]
+    assert "cannot pull f's pages" in caplog.text  # why, for the operator: the fallback alone does not say
     got = pair.run()
     assert got["f"]["token_ids"] == want["token_ids"]
     assert pair.d_role.counters.fallbacks == before + 1

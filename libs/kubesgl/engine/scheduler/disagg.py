@@ -13,6 +13,7 @@ never lost.
 from __future__ import annotations
 
 import enum
+import logging
 import time
 from dataclasses import dataclass
 
@@ -23,6 +24,8 @@ from kubesgl.kv.kv_transfer import KvTransferAgent, TransferState
 from kubesgl.kv.prefix_cache import CacheHandle
 from kubesgl.values.outputs import RequestOutput, TokenLogprob
 from kubesgl.values.sampling import SamplingParams
+
+log = logging.getLogger("kubesgl.scheduler.pd")
 
 
 class DisaggregationMode(enum.StrEnum):
@@ -56,7 +59,7 @@ class TransferOutcome(enum.StrEnum):
 
     OK = "ok"
     NO_ROOM = "no_room"  # this pool could not hold them
-    UNREACHABLE = "unreachable"  # NIXL could not start the read (the prefill agent is gone)
+    UNREACHABLE = "unreachable"  # the read could not start (the prefill agent is gone, another KV geometry)
     FAILED = "failed"  # the read started and failed
     LATE = "late"  # still running past the timeout
     PEER_GONE = "peer_gone"  # still running when the prefill instance was declared dead
@@ -159,7 +162,8 @@ class DecodeRole:
         pages = pool.alloc(handoff.num_pages)
         try:
             tid = self.agent.read(handoff.agent_metadata, handoff.descs, pages)
-        except Exception:  # a peer NIXL cannot reach: this instance prefills it
+        except Exception as e:  # a peer NIXL cannot reach, or a description that does not fit this pool
+            log.warning("cannot pull %s's pages (%s): prefilling it here", handoff.rid, e)
             pool.free(pages)
             self._end(handoff, TransferOutcome.UNREACHABLE, started, started_ns)
             self._queue(input_ids, params, handoff, fallback=True)
