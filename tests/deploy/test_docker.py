@@ -187,17 +187,21 @@ def test_copied_sources_exist_and_reach_the_build_context(dockerfile: str) -> No
     assert not dockerignore_allows("libs/kubesgl/__pycache__/cli.cpython-312.pyc")
 
 
-def test_cpu_image_installs_the_cpu_torch_then_every_other_requirement() -> None:
-    done = subprocess.run(
-        [sys.executable, "docker/requirements.py", "--without", "torch"],
+def requirements_py(*args: str) -> subprocess.CompletedProcess[str]:
+    """docker/requirements.py as the image builds run it."""
+    return subprocess.run(
+        [sys.executable, "docker/requirements.py", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=30,
-        check=True,
     )
+
+
+def test_cpu_image_installs_the_cpu_torch_then_every_other_requirement() -> None:
+    done = requirements_py("--without", "torch")
     expected = [r for r in PYPROJECT["project"]["dependencies"] if not re.match(r"torch\b", r)]
-    assert done.stdout.splitlines() == expected
+    assert done.returncode == 0 and done.stdout.splitlines() == expected
     assert len(expected) == len(PYPROJECT["project"]["dependencies"]) - 1
     build = " ".join(rest for kw, rest in stages("Dockerfile.cpu")[0].instructions if kw == "RUN")
     assert "requirements.py --without torch" in build and "pip install --no-deps ." in build
@@ -216,21 +220,10 @@ def test_the_cpu_scheduler_image_carries_nixl_and_the_services_image_does_not() 
     }
     assert copies["scheduler"] == ["--from=build-scheduler /opt/kubesgl /opt/kubesgl"]
     assert copies["services"] == ["--from=build /opt/kubesgl /opt/kubesgl"]
-    done = subprocess.run(
-        [sys.executable, "docker/requirements.py", "--extra-only", "disagg"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=True,
-    )
+    done = requirements_py("--extra-only", "disagg")
+    assert done.returncode == 0
     assert done.stdout.splitlines() == PYPROJECT["project"]["optional-dependencies"]["disagg"]
-    bad = subprocess.run(
-        [sys.executable, "docker/requirements.py", "--extra-only", "nope"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-    )
+    bad = requirements_py("--extra-only", "nope")
     assert bad.returncode != 0 and "no extra 'nope'" in bad.stderr
 
 
