@@ -11,6 +11,7 @@ import pytest
 import torch
 from kubesgl.kv.kv_cache import KVCache
 from kubesgl.kv.kv_transfer import KvTransferAgent, TransferState, decode_pages, encode_pages, joint_runs
+from kubesgl.kv.page_pool import PagePool
 
 
 def _expand(runs: list[tuple[int, int]]) -> list[int]:
@@ -105,8 +106,6 @@ def test_a_description_of_another_geometry_is_refused() -> None:
 def test_a_reused_pool_hands_out_consecutive_pages_ascending() -> None:
     """What keeps a pull to a few regions on a busy pool: freed pages come back in their order. Before, a freed
     request's pages came back descending, so every later pull of that length was one region per page."""
-    from kubesgl.kv.page_pool import PagePool
-
     pool = PagePool(4097, 16)
     first = pool.alloc(2048)
     assert first == list(range(1, 2049))
