@@ -93,15 +93,17 @@ case "$mode" in
     timeout 80 $B --model Qwen3-0.6B | tail -1
     ;;
   serve)  # kubesgl bench serve, 256 concurrent streams, through ONE `kubesgl up --gateways 4 --detokenizers 2`
-          # (Qwen3-0.6B, random weights): every stream through gateway 0 alone (g1), then round-robin over the 4
-          # gateways with the offline LLM on the same requests after it (g4: serve/offline), then g1 again (order
-          # effects); each run its own seed (fresh prompts: no prefix-cache hits from the run before). Each
-          # service's CPU per output token and in cores over every run: serve_cpu.txt. ~4-5 min.
+          # (Qwen3-0.6B, random weights): every stream through gateway 0 alone (g1), then round-robin over the
+          # first 2 gateways, the chart's default (gateway.replicas 2, one worker at its 500m request), with the
+          # offline LLM on the same requests after it (g2: serve/offline, TTFT p99 against the offline engine's
+          # for the same arrival), then over all 4 (g4); each run its own seed (fresh prompts: no prefix-cache
+          # hits from the run before). Each service's CPU per output token and in cores over every run:
+          # serve_cpu.txt. ~4-5 min.
           # SERVE_* override the device defaults (the CPU check: docs/performance.md, serving section);
           # SERVE_SCHED_ARGS="--stream-interval 2" measures SGLang's stream interval (default 1);
           # SERVE_GATEWAY_WORKERS=N runs each gateway as N processes on its port (--gateway-workers, default 1),
           # so g1 is one gateway pod of N workers (serve_cpu.txt lists each worker).
-          # SERVE_AGAIN=0 skips the second g1 run (the order-effects check) where the call's time is short.
+          # SERVE_RUNS="1 2o 4" (default): gateways per run, "o" marks the run the offline engine follows.
           # SERVE_SCHED_ARGS="--no-engine-process": the engine on a thread of the scheduler's service process (one GIL).
     M=${SERVE_MODEL:-/tmp/kubesgl-serve/Qwen3-0.6B}; G=4; DEV=${SERVE_DEVICE:-cuda}; P=${SERVE_PORT:-8000}
     W=${SERVE_WORKLOAD:---num-seqs 256 --min-input 100 --max-input 1024 --min-output 100 --max-output 1024}
@@ -109,18 +111,19 @@ case "$mode" in
     # on an 80 GB card 17k pages (272k tokens: the offline engine beside the stack ran out of memory with 24k).
     KV=${SERVE_KV:---page-size 16 --num-pages $(python3 -c "import torch; print(24000 if torch.cuda.get_device_properties(0).total_memory > 100 * 2**30 else 17000)")}
     [ -n "${SERVE_MODEL:-}" ] || python3 -c "from kubesgl.models.random_init import write_serving_config as w; w('Qwen3-0.6B', '$M')"
-    URLS=$(seq -s, -f "http://127.0.0.1:%.0f" $P $((P + G - 1)))
     timeout 420 python3 -m kubesgl.cli up --model $M --device $DEV --port $P --base-port $((P + 100)) --gateways $G \
       --gateway-workers ${SERVE_GATEWAY_WORKERS:-1} --detokenizers 2 --scheduler-args "--dummy-weight $KV ${SERVE_SCHED_ARGS:-}" > "$OUT/serve_up.log" 2>&1 &
     UP=$!
-    S="python3 -m kubesgl.cli bench serve $W --json $OUT/serve.jsonl"
     C="python3 benchmark/service_cpu.py snapshot $UP"
-    timeout 400 bash -c "for u in ${URLS//,/ }; do python3 benchmark/wait_models.py \$u 150 || exit 1; done
-      $C g1 >> $OUT/serve_cpu.jsonl; $S --seed 1 --url http://127.0.0.1:$P; $C g1 >> $OUT/serve_cpu.jsonl
-      $C g$G >> $OUT/serve_cpu.jsonl; $S --seed 0 --url $URLS --model $M --dummy-weight --device $DEV $KV
-      $C g$G >> $OUT/serve_cpu.jsonl
-      [ ${SERVE_AGAIN:-1} = 0 ] || { $C g1-again >> $OUT/serve_cpu.jsonl; $S --seed 2 --url http://127.0.0.1:$P; $C g1-again >> $OUT/serve_cpu.jsonl; }" \
-      2>&1 | grep -v Warn | tail -60 | tee "$OUT/serve.txt"
+    timeout 400 bash -c "for n in \$(seq 0 $((G - 1))); do python3 benchmark/wait_models.py http://127.0.0.1:\$(($P + n)) 150 || exit 1; done
+      seed=1
+      for run in ${SERVE_RUNS:-1 2o 4}; do
+        n=\${run%o}; urls=\$(seq -s, -f 'http://127.0.0.1:%.0f' $P \$(($P + n - 1))); offline=''
+        [ \$n = \$run ] || offline='--model $M --dummy-weight --device $DEV $KV'
+        $C g\$n >> $OUT/serve_cpu.jsonl
+        python3 -m kubesgl.cli bench serve $W --json $OUT/serve.jsonl --seed \$seed --url \$urls \$offline
+        $C g\$n >> $OUT/serve_cpu.jsonl; seed=\$((seed + 1))
+      done" 2>&1 | grep -v Warn | tail -80 | tee "$OUT/serve.txt"
     python3 benchmark/service_cpu.py summary "$OUT/serve_cpu.jsonl" "$OUT/serve.jsonl" | tee "$OUT/serve_cpu.txt"
     kill -INT $UP; wait $UP
     grep -E "Traceback|Error" "$OUT/serve_up.log" | head -5
@@ -216,6 +219,7 @@ case "$mode" in
   cache-save)  # the compile caches, for the next call's .gpu/ (each file must stay under 16 MB to come back)
     [ -d "$HOME/.cache/flashinfer" ] && tar czf "$OUT/cache-flashinfer.tgz" -C "$HOME" .cache/flashinfer
     [ -d "$HOME/.triton/cache" ] && tar czf "$OUT/cache-triton.tgz" -C "$HOME" .triton/cache
+    [ -d /tmp/minisgl-home ] && tar czf "$OUT/cache-minisgl.tgz" -C /tmp/minisgl-home --exclude=.restored .
     ls -la "$OUT"/cache-*.tgz
     ;;
   levers25)  # issue 25's kernel levers: PDL (kernels/pdl.py, on by default; off: KUBESGL_DISABLE_PDL=1) and the

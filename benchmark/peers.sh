@@ -25,6 +25,8 @@ site=/tmp/minisgl-site
 [ -d $site ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $site .gpu/*.whl
 export HOME=/tmp/minisgl-home PYTHONPATH=$site:$PWD/.gpu/minisgl/python:${PYTHONPATH:-}
 mkdir -p "$HOME"
+# Its JIT caches from an earlier call (device_run.sh cache-save wrote $OUT/cache-minisgl.tgz; copy it into .gpu/).
+[ -f .gpu/cache-minisgl.tgz ] && [ ! -f "$HOME/.restored" ] && tar xzf .gpu/cache-minisgl.tgz -C "$HOME" && touch "$HOME/.restored"
 start=$(date +%s)
 for g in norm act rope sampling prefill decode tvm; do
   timeout 300 python3 .gpu/minisgl_warm.py $g > "$OUT/minisgl_warm_$g.txt" 2>&1 &

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 from typing import Any
 
 from kubesgl.engine.config import EngineConfig
@@ -28,7 +29,8 @@ class LLM:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[dict[str, Any]]:
         """Runs every prompt to completion; returns one dict per prompt, in order (with `prompt_logprobs`
-        when LogprobOptions.prompt_start asked for them)."""
+        when LogprobOptions.prompt_start asked for them). `ttft_s`: seconds from this call's start until the
+        step that returned the prompt's first output token (None if it produced none)."""
         params = sampling_params if sampling_params is not None else SamplingParams()
         plist = params if isinstance(params, list) else [params] * len(prompts)
         if len(plist) != len(prompts):
@@ -36,6 +38,7 @@ class LLM:
         token_lists = [self._encode(p) for p in prompts]
         rids = [f"offline-{next(self._ids)}" for _ in prompts]
         added: list[str] = []
+        start = time.perf_counter()
         try:
             for rid, toks, p in zip(rids, token_lists, plist, strict=True):
                 self.engine.add_request(rid, toks, p)
@@ -47,13 +50,15 @@ class LLM:
                 self.engine.step()
             raise
         results: dict[str, dict[str, Any]] = {
-            rid: {"token_ids": [], "logprobs": [], "prompt_tokens": len(t)}
+            rid: {"token_ids": [], "logprobs": [], "prompt_tokens": len(t), "ttft_s": None}
             for rid, t in zip(rids, token_lists, strict=True)
         }
         open_ids = set(rids)
         while open_ids:
             for out in self.engine.step():
                 r = results[out.rid]
+                if out.new_token_ids and r["ttft_s"] is None:
+                    r["ttft_s"] = time.perf_counter() - start
                 r["token_ids"] += out.new_token_ids
                 if out.logprobs:
                     r["logprobs"] += out.logprobs

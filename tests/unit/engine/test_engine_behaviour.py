@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 
 import pytest
@@ -94,6 +95,18 @@ def test_abort_while_queued(model: str) -> None:
             outs += eng.step()
         assert [o.finish_reason for o in outs if o.rid == "queued"] == ["abort"]
         assert _baseline(eng)
+
+
+def test_generate_times_each_prompts_first_token_from_the_call(model: str) -> None:
+    """`ttft_s` is when a prompt's first token came back: one request running at a time, so each later prompt
+    waits for the one before it to finish (bench serve's offline TTFT p99 is made of these)."""
+    with LLM(model, max_running_requests=1) as llm:
+        start = time.perf_counter()
+        outs = llm.generate([_prompt(10, i) for i in range(3)], SamplingParams(max_tokens=4, ignore_eos=True))
+        wall = time.perf_counter() - start
+    ttfts = [o["ttft_s"] for o in outs]
+    assert all(t is not None and 0 < t <= wall for t in ttfts), ttfts
+    assert ttfts == sorted(ttfts) and len(set(ttfts)) == 3, ttfts
 
 
 def test_seeded_sampling_is_reproducible(model: str) -> None:
