@@ -112,6 +112,8 @@ def _prompt_param(req: TokenizeRequest) -> str:
 
 
 def _token_ids(ids: list[int], vocab_size: int) -> list[int]:
+    if not ids or (min(ids) >= 0 and max(ids) < vocab_size):
+        return ids
     bad = next((t for t in ids if not 0 <= t < vocab_size), None)
     if bad is not None:
         raise InvalidRequestError(

@@ -45,7 +45,8 @@ DEFAULT_PROMPT = "<|endoftext|>"
 def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]] | None) -> list[PromptInput]:
     if prompt is None:
         prompt = DEFAULT_PROMPT
-    if isinstance(prompt, str) or (prompt and all(isinstance(p, int) for p in prompt)):
+    # Validated (request_models): a list is all ints, all strings or all lists, so its first item says which.
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
         return [_prompt(prompt, "prompt")]
     _not_empty(prompt, "prompt")
     if len(prompt) > MAX_BATCH_PROMPTS:
@@ -62,7 +63,7 @@ def _prompt(prompt: str | list[int], where: str) -> PromptInput:
     _not_empty(prompt, where)
     if isinstance(prompt, str):
         return PromptInput(text=prompt)
-    if any(not 0 <= i < 2**63 for i in prompt):
+    if min(prompt) < 0 or max(prompt) >= 2**63:
         raise InvalidRequestError(f"{where}: token ids must be >= 0 and 64-bit", param=where)
     return PromptInput(input_ids=tuple(prompt))
 

@@ -70,7 +70,18 @@ def run_bus_service(
 ) -> int:
     """Runs the service to completion; returns the process exit code."""
     configure_logging(args.log_level)
-    return asyncio.run(_serve(args, name, registry, build))
+    with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+        return runner.run(_serve(args, name, registry, build))
+
+
+def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's loop where it is installed (the gateway's too: uvicorn picks it), else asyncio's. A bus service's
+    loop mostly moves NATS bytes; uvloop's C transports take that off the interpreter."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
 
 
 async def _serve(
