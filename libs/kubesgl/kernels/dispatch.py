@@ -15,5 +15,7 @@ def triton_installed() -> bool:
 
 def use_triton(x: torch.Tensor) -> bool:
     """Triton serves CUDA tensors; everything else takes the torch path. So does a forward pass that
-    torch.compile traces: Inductor fuses the torch ops itself (engine/compile.py)."""
-    return x.is_cuda and triton_installed() and not torch.compiler.is_compiling()
+    torch.compile traces: Inductor fuses the torch ops itself (engine/compile.py). That is asked first: traced,
+    `triton_installed` calls importlib, which Dynamo refuses to trace ("Attempted to call function marked as
+    skipped", as every compiled CUDA forward failed on the H100 on 2026-12-06; CPU tensors stop at `is_cuda`)."""
+    return not torch.compiler.is_compiling() and x.is_cuda and triton_installed()
