@@ -62,13 +62,17 @@ STAGES = (
 class FakeEngine:
     """A FAKE engine: the Engine's interface, no model. Each step admits waiting requests (at most
     `max_running` running, `chunk` prompt tokens prefilled per step), sleeps step_ms + prefill time, and gives
-    every running request one token (ids that decode to text)."""
+    every running request one token (ids that decode to text). `busy_ms` of each step is a Python loop holding
+    the GIL (the real engine's host work: scheduling, batch building, launches), the rest sleeps."""
 
-    def __init__(self, step_ms: float, prefill_tok_s: float, max_running: int, chunk: int = 8192) -> None:
+    def __init__(
+        self, step_ms: float, prefill_tok_s: float, max_running: int, chunk: int = 8192, busy_ms: float = 0.0
+    ) -> None:
         self.info = ModelInfo("fake", "Qwen3ForCausalLM", 40960, 151936, (151645,), 16, PAGES)
         self.cache = None
         self.kv_events = None
         self._step_s, self._prefill_tok_s = step_ms / 1000, prefill_tok_s
+        self._busy_s = min(busy_ms, step_ms) / 1000
         self._max_running, self._chunk = max_running, chunk
         self._waiting: deque[tuple[str, int, int]] = deque()  # rid, prompt tokens, max tokens
         self._running: dict[str, list[int]] = {}  # rid -> [emitted, max tokens, prompt tokens]
@@ -89,7 +93,10 @@ class FakeEngine:
             rid, prompt, max_tokens = self._waiting.popleft()
             self._running[rid] = [0, max_tokens, prompt]
             prefill += prompt
-        time.sleep(self._step_s + prefill / self._prefill_tok_s)
+        until = time.perf_counter() + self._busy_s
+        while time.perf_counter() < until:  # holds the GIL, as the engine's host work does
+            pass
+        time.sleep(self._step_s - self._busy_s + prefill / self._prefill_tok_s)
         outputs = []
         for rid, r in list(self._running.items()):
             r[0] += 1
@@ -118,7 +125,7 @@ def fake_engine_alone(
 ) -> tuple[float, list[float]]:
     """The fake alone on the workload, no services, every request added at once (the path's streams all start
     together): output tok/s (the path's ceiling) and each request's time to its first token."""
-    engine = FakeEngine(args.step_ms, args.prefill_tok_s, args.max_running)
+    engine = FakeEngine(args.step_ms, args.prefill_tok_s, args.max_running, busy_ms=args.step_busy_ms)
     for i, (p, n) in enumerate(zip(prompts, outputs, strict=True)):
         engine.add_request(f"r{i}", [0] * p, SamplingParams(max_tokens=n))
     start, tokens, firsts = time.perf_counter(), 0, {}
@@ -150,7 +157,9 @@ def run_fake_scheduler(args: argparse.Namespace) -> int:
     async def build(nc: Any, stop: asyncio.Event) -> SchedulerService:
         def loop(service: SchedulerService) -> EngineLoop | EngineProcess:
             # picklable, for the engine process (spawn imports this script as __mp_main__)
-            make = functools.partial(FakeEngine, args.step_ms, args.prefill_tok_s, args.max_running)
+            make = functools.partial(
+                FakeEngine, args.step_ms, args.prefill_tok_s, args.max_running, busy_ms=args.step_busy_ms
+            )
             callbacks = (service.engine_loaded, service.engine_outputs, service.engine_failed)
             if args.engine_process:
                 return EngineProcess(make, telemetry, *callbacks, service.engine_kv_events, args.log_level)
@@ -279,6 +288,7 @@ async def run_once(
     row: dict[str, Any] = {
         "streams": n,
         "step_ms": args.step_ms,
+        "step_busy_ms": args.step_busy_ms,
         "stream_interval": args.stream_interval,
         "gateway_workers": args.gateway_workers,
         "failed": len(results) - len(ok),
@@ -355,6 +365,7 @@ async def main(args: argparse.Namespace) -> None:
             [sys.executable, __file__, "--fake-scheduler", "--nats-url", stack.nats_url, "--admin-port",
              str(admin), "--admin-host", "127.0.0.1", "--log-level", "warning", "--step-ms", str(args.step_ms),
              "--prefill-tok-s", str(args.prefill_tok_s), "--max-running", str(args.max_running),
+             "--step-busy-ms", str(args.step_busy_ms),
              "--stream-interval", str(args.stream_interval),
              "--engine-process" if args.engine_process else "--no-engine-process"],
             env={**os.environ, **env},
@@ -391,6 +402,9 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--streams", type=lambda s: [int(x) for x in s.split(",")], default=[64, 256])
     parser.add_argument("--step-ms", type=float, default=10.0, help="fake decode step (the GPU's pace)")
+    parser.add_argument(
+        "--step-busy-ms", type=float, default=0.0, help="of each fake step, ms spent holding the GIL"
+    )
     parser.add_argument("--prefill-tok-s", type=float, default=200_000.0, help="fake prefill speed")
     parser.add_argument("--max-running", type=int, default=256)
     parser.add_argument("--min-input", type=int, default=100)
