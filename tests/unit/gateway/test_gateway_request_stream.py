@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 from kubesgl.errors import ServiceUnavailableError
 from kubesgl.protocol import ErrorInfo, TextDelta
-from kubesgl.services.gateway.request_stream import RequestStream
+from kubesgl.services.gateway import request_stream
+from kubesgl.services.gateway.request_stream import TICK_S, RequestStream
 
 
 def _d(seq: int, instance: str = "a", **kw: object) -> TextDelta:
@@ -56,3 +60,32 @@ async def test_errors_and_failures_skip_the_queue() -> None:
     first, second = await s.next(0.01), await s.next(0.01)
     assert first is not None and first.error.message == "boom"
     assert second is not None and second.error.message == "lost" and second.finished
+
+
+async def test_a_long_wait_ends_at_a_delta_or_at_the_shared_tick_and_the_ticker_stops_when_idle() -> None:
+    """Waits of TICK_S or more have no timer of their own: a delta ends them at once, else the loop's one ticker
+    wakes every waiting stream with nothing within TICK_S (their callers' checks run on the clock); with nobody
+    waiting the ticker's task ends."""
+    streams = [RequestStream(f"r{i}") for i in range(50)]
+    for s in streams:
+        s.adopt("a")
+    start = time.monotonic()
+    waits = [asyncio.ensure_future(s.next(60.0)) for s in streams]
+    await asyncio.sleep(0.01)
+    ticker = request_stream._ticker()
+    assert ticker.waiting == set(streams)
+    streams[0].offer(TextDelta(rid="r0", instance_id="a", seq=0, text="x"))
+    first = await asyncio.wait_for(waits[0], 1)
+    assert first is not None and first.text == "x" and time.monotonic() - start < TICK_S
+    assert await asyncio.gather(*waits[1:]) == [None] * 49
+    assert time.monotonic() - start < TICK_S + 0.3  # the tick, not the 60 s asked for
+    await asyncio.sleep(TICK_S + 0.1)
+    assert not ticker.waiting and ticker._task is not None and ticker._task.done()
+
+
+async def test_a_wait_shorter_than_the_tick_keeps_its_own_timer() -> None:
+    s = RequestStream("r")
+    s.adopt("a")
+    start = time.monotonic()
+    assert await s.next(0.05) is None
+    assert 0.04 < time.monotonic() - start < TICK_S
