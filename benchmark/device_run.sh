@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install the carried FlashInfer wheels, run the GPU tests, then the offline benchmark and
-# its ablations. Usage on the device: bash benchmark/device_run.sh MODE [MODE ...] (run in order; default final);
-# figures land in $OUT (bench.jsonl, kb.jsonl, ...).
+# its ablations. Usage on the device: bash benchmark/device_run.sh MODE [MODE ...] pack (run in order; default
+# final); figures land in $OUT (bench.jsonl, kb.jsonl, ...), packed into $OUT/results.tgz by `pack`.
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -215,6 +215,11 @@ case "$mode" in
       --model Qwen3-0.6B --prompts 32768 --reps 2 --cuda-graph-max-bs 0 2>&1 | grep -v "NIXL INFO" > "$OUT/pddiag_full.log"
     grep -A3 "^pd transfer" "$OUT/pddiag_full.log"
     grep -iE "cuda_ipc|ipc_cache|rcache|cuIpc" "$OUT/pddiag_full.log" | cut -c1-220 | tail -60 | tee "$OUT/pddiag.txt"
+    ;;
+  pack)  # last: every result file in one results.tgz (a call brings back only a few files from $OUT; call 1 of
+        # 2026-12-06's third session lost its per-service CPU table to that), the compile caches left beside it
+    (cd "$OUT" && find . -type f ! -name 'cache-*.tgz' ! -name results.tgz -print0 | tar czf /tmp/results.tgz --null -T - \
+      && find . -type f ! -name 'cache-*.tgz' ! -name results.tgz -delete && mv /tmp/results.tgz results.tgz && ls -la)
     ;;
   cache-save)  # the compile caches, for the next call's .gpu/ (each file must stay under 16 MB to come back)
     [ -d "$HOME/.cache/flashinfer" ] && tar czf "$OUT/cache-flashinfer.tgz" -C "$HOME" .cache/flashinfer
