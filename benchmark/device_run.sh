@@ -128,6 +128,16 @@ case "$mode" in
     kill -INT $UP; wait $UP
     grep -E "Traceback|Error" "$OUT/serve_up.log" | head -5
     ;;
+  servetrace)  # issue 22's TTFT, stage by stage at GPU pace: serve_path.py over the real scheduler (Qwen3-0.6B,
+              # random weights), 256 streams, every 4th request traced into a local OTLP receiver: client send,
+              # gateway parse + hop, tokenizer, the scheduler's queue, the first token's step, detokenizer, SSE
+    M=/tmp/kubesgl-serve/Qwen3-0.6B
+    python3 -c "from kubesgl.models.random_init import write_serving_config as w; w('Qwen3-0.6B', '$M')"
+    timeout 300 python3 benchmark/serve_path.py --model $M --detokenizers 2 --streams 256 --min-output 100 \
+      --max-output 1024 --trace-every 4 --ready-timeout 200 --json "$OUT/servetrace.jsonl" \
+      --scheduler-args "--device cuda --dummy-weight --page-size 16 --num-pages 17000 ${SERVE_SCHED_ARGS:-}" 2>&1 \
+      | grep -v Warn | tail -16 | tee "$OUT/servetrace.txt"
+    ;;
   engproc)  # issue 22: the engine in its own process (default) against the engine on the scheduler service's
             # thread (--no-engine-process), same call, 256 streams through one gateway each way (seed 1), py-spy
             # (50 Hz, blocking: --nonblocking lost the engine thread's samples) on the engine's process for 8 s of each run (engproc_<cfg>.pyspy: collapsed stacks), the services'

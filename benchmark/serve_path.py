@@ -9,11 +9,15 @@ process with no service around it, is the path's ceiling: "engine tok/s".
 Clients stream /v1/completions through kubesgl.bench.sse_client, all at once. Every `--trace-every`-th request
 carries a sampled W3C traceparent (the others an unsampled one, so tracing costs only the traced), and the
 services' spans, received by a local OTLP endpoint (tests/support/otlp_receiver.py), give each traced request's stages:
-client send -> gateway arrival (ASGI entry) -> tokenizer -> scheduler arrival -> first token out of the engine
--> detokenized -> first SSE byte (the gateway span's TTFT) -> the client's first chunk. Also each process's CPU
-time per output token (psutil), which on a machine with a core per service says which one caps the path.
+client send -> gateway arrival (ASGI entry) -> tokenizer -> scheduler arrival -> the start of the engine step
+that produced the first token -> first token out of the engine -> detokenized -> first SSE byte (the gateway
+span's TTFT) -> the client's first chunk. Also each process's CPU time per output token (psutil), which on a
+machine with a core per service says which one caps the path.
 
     .venv/bin/python benchmark/serve_path.py [--streams 64,256] [--step-ms 10] [--json out.jsonl]
+
+With `--model DIR --scheduler-args "..."` the real scheduler (`kubesgl scheduler`, engine and all) replaces the
+fake: the same stages at a real engine's pace, on the GPU (`device_run.sh servetrace`).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import json
 import os
 import random
 import secrets
+import shlex
 import statistics
 import subprocess
 import sys
@@ -52,7 +57,8 @@ STAGES = (
     ("client send", "client", "arrival"),
     ("parse + hop to tokenizer", "arrival", "tokenizer"),
     ("tokenize + route + hop", "tokenizer", "scheduler"),
-    ("queue + prefill (fake)", "scheduler", "first_token"),
+    ("queue at the scheduler", "scheduler", "prefill_start"),
+    ("prefill step", "prefill_start", "first_token"),
     ("to detokenizer + decode", "first_token", "detokenized"),
     ("gateway: delta to SSE byte", "detokenized", "sse"),
     ("loopback + client read", "sse", "client_first"),
@@ -233,6 +239,7 @@ def stages(res: Result, spans: list[ReceivedSpan]) -> dict[str, float] | None:
         "arrival": gateway.start_ns,
         "tokenizer": by_name["tokenize"].start_ns,
         "scheduler": by_name["queue"].start_ns,
+        "prefill_start": by_name["prefill"].start_ns,  # the step that produced the first token
         "first_token": by_name["prefill"].end_ns,
         "detokenized": first_detok[0].end_ns,
         "sse": gateway.start_ns + int(ttft * 1e9),
@@ -284,7 +291,8 @@ async def run_once(
     tokens = sum(r.tokens for r in ok)
     firsts = [r.first_s for r in ok if r.first_s is not None]
     traced = [s for r in ok if r.trace_id and (s := stages(r, spans)) is not None]
-    engine_tok_s, engine_firsts = fake_engine_alone(args, lens, outputs)
+    # The fake alone is the ceiling; with a real model (--model) the offline engine is `kubesgl bench serve`'s.
+    engine_tok_s, engine_firsts = fake_engine_alone(args, lens, outputs) if not args.model else (0.0, [])
     row: dict[str, Any] = {
         "streams": n,
         "step_ms": args.step_ms,
@@ -297,12 +305,13 @@ async def run_once(
         "tokens_per_chunk": round(tokens / max(sum(r.chunks for r in ok), 1), 3),
         "seconds": round(wall, 3),
         "path_tok_s": round(tokens / wall),
-        "engine_tok_s": round(engine_tok_s),
+        "model": args.model or "fake",
+        "engine_tok_s": round(engine_tok_s) or None,
         "client_ttft_mean_ms": round(1000 * statistics.mean(firsts), 1) if firsts else None,
         "client_ttft_p99_ms": round(1000 * percentile(firsts, 99), 1) if firsts else None,
         # The fake engine's own TTFT for the same arrival (all at once): what the path's p99 is judged against.
-        "engine_ttft_mean_ms": round(1000 * statistics.mean(engine_firsts), 1),
-        "engine_ttft_p99_ms": round(1000 * percentile(engine_firsts, 99), 1),
+        "engine_ttft_mean_ms": round(1000 * statistics.mean(engine_firsts), 1) if engine_firsts else None,
+        "engine_ttft_p99_ms": round(1000 * percentile(engine_firsts, 99), 1) if engine_firsts else None,
         # The gateway's own TTFT histogram over the burst (/metrics before and after).
         "gateway_ttft_mean_ms": round(1000 * (ttft1[0] - ttft0[0]) / (ttft1[1] - ttft0[1]), 1)
         if ttft1[1] > ttft0[1]
@@ -315,23 +324,30 @@ async def run_once(
         else {},
         "cpu_us_per_token": {k: round(1e6 * v / max(tokens, 1), 1) for k, v in sorted(cpu.items())},
     }
-    row["path_over_engine"] = round(row["path_tok_s"] / row["engine_tok_s"], 3)
-    if row["client_ttft_p99_ms"] is not None:
+    row["path_over_engine"] = (
+        round(row["path_tok_s"] / row["engine_tok_s"], 3) if row["engine_tok_s"] else None
+    )
+    if row["client_ttft_p99_ms"] is not None and row["engine_ttft_p99_ms"]:
         row["ttft_p99_over_engine"] = round(row["client_ttft_p99_ms"] / row["engine_ttft_p99_ms"], 3)
     return row
 
 
 def print_row(row: dict[str, Any]) -> None:
+    fake = row["model"] == "fake"
+    alone = f", fake engine alone {row['engine_tok_s']} ({row['path_over_engine']})" if fake else ""
     print(
-        f"\n{row['streams']} streams: {row['path_tok_s']} tok/s through the path, fake engine alone "
-        f"{row['engine_tok_s']} ({row['path_over_engine']}); failed {row['failed']}; "
-        f"client / gateway TTFT mean {row['client_ttft_mean_ms']} / {row['gateway_ttft_mean_ms']} ms; "
-        f"{row['tokens_per_chunk']} tokens per SSE chunk"
+        f"\n{row['streams']} streams ({row['model']}): {row['path_tok_s']} tok/s through the path{alone}; "
+        f"failed {row['failed']}; client / gateway TTFT mean {row['client_ttft_mean_ms']} / "
+        f"{row['gateway_ttft_mean_ms']} ms; {row['tokens_per_chunk']} tokens per SSE chunk"
     )
     print(
-        f"  TTFT mean / p99: client {row['client_ttft_mean_ms']} / {row['client_ttft_p99_ms']} ms, fake engine "
-        f"alone (same arrival) {row['engine_ttft_mean_ms']} / {row['engine_ttft_p99_ms']} ms; p99 ratio "
-        f"{row.get('ttft_p99_over_engine')}"
+        f"  TTFT mean / p99: client {row['client_ttft_mean_ms']} / {row['client_ttft_p99_ms']} ms"
+        + (
+            f", fake engine alone (same arrival) {row['engine_ttft_mean_ms']} / {row['engine_ttft_p99_ms']} ms; "
+            f"p99 ratio {row.get('ttft_p99_over_engine')}"
+            if fake
+            else ""
+        )
     )
     for error in row["errors"]:
         print(f"  error: {error}")
@@ -342,7 +358,7 @@ def print_row(row: dict[str, Any]) -> None:
 
 
 async def main(args: argparse.Namespace) -> None:
-    model, name = resolve_model("demo", None)
+    model, _ = resolve_model(args.model or "demo", None)
     with OtlpReceiver() as receiver:
         env = {
             "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
@@ -351,39 +367,49 @@ async def main(args: argparse.Namespace) -> None:
         }
         config = StackConfig(
             model_path=model,
-            served_model_name=name,
+            served_model_name="demo",  # what the clients ask for and the metrics are labelled with, either way
             port=0,
-            schedulers=0,
+            schedulers=1 if args.model else 0,  # --model: the real scheduler, as `kubesgl up` starts it
+            scheduler_args=(
+                *shlex.split(args.scheduler_args),
+                "--stream-interval",
+                str(args.stream_interval),
+            ),
+            detokenizers=args.detokenizers,
             gateway_workers=args.gateway_workers,
             log_level="warning",
             env=env,
         )
         stack = Stack(config, tempfile.mkdtemp(prefix="serve-path-"))
         stack.start()
-        admin = free_port()
-        scheduler = subprocess.Popen(
-            [sys.executable, __file__, "--fake-scheduler", "--nats-url", stack.nats_url, "--admin-port",
-             str(admin), "--admin-host", "127.0.0.1", "--log-level", "warning", "--step-ms", str(args.step_ms),
-             "--prefill-tok-s", str(args.prefill_tok_s), "--max-running", str(args.max_running),
-             "--step-busy-ms", str(args.step_busy_ms),
-             "--stream-interval", str(args.stream_interval),
-             "--engine-process" if args.engine_process else "--no-engine-process"],
-            env={**os.environ, **env},
-        )  # fmt: skip
+        scheduler = None
+        if not args.model:
+            admin = free_port()
+            scheduler = subprocess.Popen(
+                [sys.executable, __file__, "--fake-scheduler", "--nats-url", stack.nats_url, "--admin-port",
+                 str(admin), "--admin-host", "127.0.0.1", "--log-level", "warning", "--step-ms", str(args.step_ms),
+                 "--prefill-tok-s", str(args.prefill_tok_s), "--max-running", str(args.max_running),
+                 "--step-busy-ms", str(args.step_busy_ms),
+                 "--stream-interval", str(args.stream_interval),
+                 "--engine-process" if args.engine_process else "--no-engine-process"],
+                env={**os.environ, **env},
+            )  # fmt: skip
         try:
-            await asyncio.to_thread(stack.wait_ready, 120)
+            await asyncio.to_thread(stack.wait_ready, args.ready_timeout)
             procs = {svc.name: psutil.Process(svc.proc.pid) for svc in stack.services.values()}
-            procs["scheduler (fake engine)"] = psutil.Process(scheduler.pid)
+            engine_name = "scheduler (fake engine)" if scheduler is not None else "scheduler-0"
+            if scheduler is not None:
+                procs[engine_name] = psutil.Process(scheduler.pid)
             assert stack.nats.proc is not None
             procs["nats-server"] = psutil.Process(stack.nats.proc.pid)
             procs["client"] = psutil.Process()
-            while True:  # ready once the gateway has heard the fake scheduler's heartbeat
+            while True:  # ready once the gateway has heard the scheduler's heartbeat
                 try:
                     await drive(stack.gateway_urls[0], [[101, 102]], [2], 1)
                     break
                 except Exception:
                     await asyncio.sleep(0.5)
-            for child in procs["scheduler (fake engine)"].children():  # --engine-process: the engine's own
+            for child in procs[engine_name].children():  # --engine-process: the engine's own
                 if "resource_tracker" not in " ".join(child.cmdline()):
                     procs["scheduler engine process"] = child
             for n in args.streams:
@@ -393,8 +419,9 @@ async def main(args: argparse.Namespace) -> None:
                     with open(args.json, "a") as f:
                         f.write(json.dumps(row) + "\n")
         finally:
-            scheduler.terminate()
-            scheduler.wait(10)
+            if scheduler is not None:
+                scheduler.terminate()
+                scheduler.wait(10)
             stack.stop(timeout_s=10)
 
 
@@ -414,6 +441,16 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--stream-interval", type=int, default=1, help="the scheduler's --stream-interval")
     parser.add_argument("--gateway-workers", type=int, default=1, help="the gateway's --workers")
     parser.add_argument("--trace-every", type=int, default=8, help="every k-th request is traced")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="a real model dir: the real scheduler (`kubesgl scheduler`) instead of the fake, e.g. on the GPU",
+    )
+    parser.add_argument("--scheduler-args", default="", help="with --model: the scheduler's flags")
+    parser.add_argument("--detokenizers", type=int, default=1)
+    parser.add_argument(
+        "--ready-timeout", type=float, default=120.0, help="seconds for the stack to be ready"
+    )
     parser.add_argument("--json", default=None, help="append one JSON line per run")
     parser.add_argument(
         "--engine-process",
