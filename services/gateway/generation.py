@@ -16,7 +16,6 @@ from kubesgl.services.gateway.bus import GatewayBus
 from kubesgl.services.gateway.migration import resume_request
 from kubesgl.services.gateway.request_stream import RequestStream
 
-_POLL_S = 0.5
 # A missing delta with later ones already here: NATS dropped it (e.g. across a restart); it will not come.
 _GAP_TIMEOUT_S = 10.0
 
@@ -96,7 +95,8 @@ class ChoiceGeneration:
             left = self.limits.deadline_mono - time.monotonic()
             if left <= 0:
                 raise DeadlineExceededError("the request exceeded its deadline")
-            delta = await self._stream.next(min(_POLL_S, left))
+            # None at the stream's next tick (every TICK_S) when nothing came: the checks below run then.
+            delta = await self._stream.next(left)
             if delta is None:
                 if self._instance_gone():
                     await self._migrate(last_output)

@@ -4,6 +4,7 @@ the scheduler instance that admitted it kept (a retried admission may have reach
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import weakref
 from collections import deque
@@ -24,9 +25,13 @@ class _Ticker:
         self._task: asyncio.Task[None] | None = None
 
     def add(self, stream: RequestStream) -> None:
+        """`stream` waits until `discard` (plain calls, not a context manager: this is once per delta)."""
         self.waiting.add(stream)
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def discard(self, stream: RequestStream) -> None:
+        self.waiting.discard(stream)
 
     async def _run(self) -> None:
         while self.waiting:
@@ -92,23 +97,22 @@ class RequestStream:
 
     async def next(self, timeout: float) -> TextDelta | None:
         """The next in-order delta, or None when none came: after `timeout` seconds if that is under TICK_S, else
-        at the loop's next tick (within TICK_S; the caller's checks are timed by the clock, not by this)."""
+        at the loop's next tick (within TICK_S: a caller's periodic checks and deadline are timed by the clock,
+        and a deadline under TICK_S away gets its own timer, so it is never overshot)."""
         if not self._ready:  # under load one is usually here already: no timer, no task
             self._waiter = asyncio.get_running_loop().create_future()
             try:
-                if timeout < TICK_S:  # a deadline closer than the next tick: a timer of its own
-                    try:
+                if timeout < TICK_S:
+                    with contextlib.suppress(TimeoutError):
                         async with asyncio.timeout(timeout):
                             await self._waiter
-                    except TimeoutError:
-                        return None
                 else:
                     ticker = _ticker()
                     ticker.add(self)
                     try:
                         await self._waiter
                     finally:
-                        ticker.waiting.discard(self)
+                        ticker.discard(self)
             finally:
                 self._waiter = None
             if not self._ready:
