@@ -112,10 +112,8 @@ def _prompt_param(req: TokenizeRequest) -> str:
 
 
 def _token_ids(ids: list[int], vocab_size: int) -> list[int]:
-    if not ids or (min(ids) >= 0 and max(ids) < vocab_size):
-        return ids
-    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
+    if ids and (min(ids) < 0 or max(ids) >= vocab_size):  # C-speed; the loop below only names the culprit
+        bad = next(t for t in ids if not 0 <= t < vocab_size)
         raise InvalidRequestError(
             f"token id {bad} is outside the vocabulary [0, {vocab_size})", param="prompt"
         )

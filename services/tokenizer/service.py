@@ -180,10 +180,10 @@ class TokenizerService:
         tool_format = tool_format_for(req, self.tool_format)
         sampling = tool_sampling(req, tool_format)
         start = time.perf_counter()
-        loop = asyncio.get_running_loop()
         if req.kind is PromptKind.TOKENS:  # ids as given: a range check, not worth a hop to the thread
             ids = prompt_ids(req, self.tokenizer)
         else:
+            loop = asyncio.get_running_loop()
             ids = await loop.run_in_executor(self._tokenize_thread, prompt_ids, req, self.tokenizer)
         self.metrics.on_tokenized(time.perf_counter() - start, len(ids))
         candidates = self.registry.candidates(self.model)
