@@ -112,14 +112,17 @@ def main(args: argparse.Namespace) -> int:
         res.update(_offline(args, prompts, max_tokens))
         res["serving_over_offline"] = round(res["output_tok_s"] / res["offline_output_tok_s"], 3)
         res["bus_ttft_overhead_s"] = round(res["single_ttft_s"] - res["offline_single_ttft_s"], 4)
-        if res["ttft_p99_s"] and res["offline_ttft_p99_s"]:
-            res["ttft_p99_over_offline"] = round(res["ttft_p99_s"] / res["offline_ttft_p99_s"], 3)
-            # Without the client's own send of the burst (its connects and writes, one event loop for all 256).
-            if res.get("ttft_after_send_p99_s"):
-                res["ttft_after_send_p99_over_offline"] = round(
-                    res["ttft_after_send_p99_s"] / res["offline_ttft_p99_s"], 3
-                )
+        res["ttft_p99_over_offline"] = _ratio(res["ttft_p99_s"], res["offline_ttft_p99_s"])
+        # Without the client's own send of the burst (its connects and writes, one event loop for all 256).
+        res["ttft_after_send_p99_over_offline"] = _ratio(
+            res["ttft_after_send_p99_s"], res["offline_ttft_p99_s"]
+        )
     return _report(res, args)
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    """a / b to 3 places, or None where either is missing (or b is 0)."""
+    return round(a / b, 3) if a and b else None
 
 
 def _report(res: dict[str, Any], args: argparse.Namespace) -> int:
@@ -211,15 +214,11 @@ async def _serve(
         # The gateways' own TTFT histograms over the same burst (every gateway's /metrics, before and after).
         "gateway_ttft_mean_s": gateway_mean,
         "gateway_ttft_count": int(counted),
-        "gateway_over_client_ttft": round(gateway_mean / client_mean, 3)
-        if gateway_mean and client_mean
-        else None,
+        "gateway_over_client_ttft": _ratio(gateway_mean, client_mean),
         "client_send_p50_s": percentile([t.sent for t in ok if t.sent is not None], 50),
         "ttft_after_send_mean_s": after_send_mean,
         "ttft_after_send_p99_s": percentile(after_send, 99),
-        "gateway_over_client_ttft_after_send": round(gateway_mean / after_send_mean, 3)
-        if gateway_mean and after_send_mean
-        else None,
+        "gateway_over_client_ttft_after_send": _ratio(gateway_mean, after_send_mean),
         "itl_p50_s": percentile(gaps, 50),
         "itl_p99_s": percentile(gaps, 99),
         "tpot_p50_s": percentile(tpots, 50),
@@ -381,8 +380,8 @@ def _print(res: dict[str, Any]) -> None:
             (
                 "TTFT p50 / p99 offline, same arrival (s)",
                 f"{res['offline_ttft_p50_s']} / {res['offline_ttft_p99_s']} "
-                f"(served p99 / offline p99: {res.get('ttft_p99_over_offline')}; from each request's send: "
-                f"{res.get('ttft_after_send_p99_over_offline')})",
+                f"(served p99 / offline p99: {res['ttft_p99_over_offline']}; from each request's send: "
+                f"{res['ttft_after_send_p99_over_offline']})",
             ),
             ("TTFT the bus adds (s)", res["bus_ttft_overhead_s"]),
         ]
