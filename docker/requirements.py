@@ -24,19 +24,18 @@ def requirement_name(requirement: str) -> str:
     return re.sub(r"[-_.]+", "-", match.group(1)).lower()
 
 
-def runtime_requirements(pyproject: Path, without: set[str]) -> list[str]:
-    """The [project] dependencies whose names are not in `without`."""
+def requirements(pyproject: Path, without: set[str], extra: str | None = None) -> list[str]:
+    """The [project] dependencies, or those of the optional extra `extra`, whose names are not in `without`."""
     project = tomllib.loads(pyproject.read_text())["project"]
+    if extra is None:
+        group = project["dependencies"]
+    else:
+        extras = project.get("optional-dependencies", {})
+        if extra not in extras:
+            raise SystemExit(f"pyproject.toml has no extra {extra!r} (it has: {', '.join(sorted(extras))})")
+        group = extras[extra]
     dropped = {requirement_name(name) for name in without}
-    return [req for req in project["dependencies"] if requirement_name(req) not in dropped]
-
-
-def extra_requirements(pyproject: Path, extra: str) -> list[str]:
-    """The requirements of the [project.optional-dependencies] group `extra`."""
-    extras = tomllib.loads(pyproject.read_text())["project"].get("optional-dependencies", {})
-    if extra not in extras:
-        raise SystemExit(f"pyproject.toml has no extra {extra!r} (it has: {', '.join(sorted(extras))})")
-    return list(extras[extra])
+    return [req for req in group if requirement_name(req) not in dropped]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,10 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--without", action="append", default=[], help="distribution to leave out")
     parser.add_argument("--extra-only", default=None, help="print only this optional extra's requirements")
     args = parser.parse_args(argv)
-    if args.extra_only is not None:
-        reqs = extra_requirements(args.pyproject, args.extra_only)
-    else:
-        reqs = runtime_requirements(args.pyproject, set(args.without))
+    reqs = requirements(args.pyproject, set(args.without), args.extra_only)
     sys.stdout.write("".join(f"{req}\n" for req in reqs))
     return 0
 

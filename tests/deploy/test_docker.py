@@ -223,6 +223,8 @@ def test_the_cpu_scheduler_image_carries_nixl_and_the_services_image_does_not() 
     done = requirements_py("--extra-only", "disagg")
     assert done.returncode == 0
     assert done.stdout.splitlines() == PYPROJECT["project"]["optional-dependencies"]["disagg"]
+    without = requirements_py("--extra-only", "disagg", "--without", "nixl-cu12")
+    assert without.returncode == 0 and without.stdout == ""  # --without applies to an extra too
     bad = requirements_py("--extra-only", "nope")
     assert bad.returncode != 0 and "no extra 'nope'" in bad.stderr
 
