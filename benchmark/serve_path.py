@@ -292,7 +292,7 @@ async def run_once(
     firsts = [r.first_s for r in ok if r.first_s is not None]
     traced = [s for r in ok if r.trace_id and (s := stages(r, spans)) is not None]
     # The fake alone is the ceiling; with a real model (--model) the offline engine is `kubesgl bench serve`'s.
-    engine_tok_s, engine_firsts = fake_engine_alone(args, lens, outputs) if not args.model else (0.0, [])
+    engine_tok_s, engine_firsts = fake_engine_alone(args, lens, outputs) if not args.model else (None, [])
     row: dict[str, Any] = {
         "streams": n,
         "step_ms": args.step_ms,
@@ -306,7 +306,7 @@ async def run_once(
         "seconds": round(wall, 3),
         "path_tok_s": round(tokens / wall),
         "model": args.model or "fake",
-        "engine_tok_s": round(engine_tok_s) or None,
+        "engine_tok_s": round(engine_tok_s) if engine_tok_s is not None else None,
         "client_ttft_mean_ms": round(1000 * statistics.mean(firsts), 1) if firsts else None,
         "client_ttft_p99_ms": round(1000 * percentile(firsts, 99), 1) if firsts else None,
         # The fake engine's own TTFT for the same arrival (all at once): what the path's p99 is judged against.
@@ -370,10 +370,14 @@ async def main(args: argparse.Namespace) -> None:
             served_model_name="demo",  # what the clients ask for and the metrics are labelled with, either way
             port=0,
             schedulers=1 if args.model else 0,  # --model: the real scheduler, as `kubesgl up` starts it
+            # --model: the real scheduler gets the flags the fake scheduler would have taken, then its own
             scheduler_args=(
-                *shlex.split(args.scheduler_args),
                 "--stream-interval",
                 str(args.stream_interval),
+                "--max-running-requests",
+                str(args.max_running),
+                "--engine-process" if args.engine_process else "--no-engine-process",
+                *shlex.split(args.scheduler_args),
             ),
             detokenizers=args.detokenizers,
             gateway_workers=args.gateway_workers,
@@ -456,7 +460,7 @@ def parse_args() -> argparse.Namespace:
         "--engine-process",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="the scheduler's --engine-process: the fake engine in a process of its own, apart from the bus work",
+        help="the scheduler's --engine-process: the engine (fake or --model) in a process of its own, apart from the bus work",
     )
     parser.add_argument("--fake-scheduler", action="store_true", help=argparse.SUPPRESS)
     known, rest = parser.parse_known_args()
@@ -467,6 +471,12 @@ def parse_args() -> argparse.Namespace:
         return parser.parse_args()
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    fake_only = [f"--{name.replace('_', '-')}" for name in ("step_ms", "step_busy_ms", "prefill_tok_s")
+                 if getattr(known, name) != parser.get_default(name)]  # fmt: skip
+    if known.model and fake_only:
+        parser.error(f"{', '.join(fake_only)} set the fake engine's pace; --model runs a real one")
+    if known.scheduler_args and not known.model:
+        parser.error("--scheduler-args is for the real scheduler (--model); the fake takes --step-ms etc.")
     return known
 
 
