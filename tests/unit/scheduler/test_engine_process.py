@@ -8,12 +8,14 @@ from __future__ import annotations
 import functools
 import os
 import queue
+import signal
 import subprocess
 import sys
 import threading
 from collections import deque
 
 import psutil
+import pytest
 from kubesgl.errors import InvalidRequestError, KubesglError
 from kubesgl.runtime.telemetry.metrics import SchedulerMetrics, new_registry
 from kubesgl.runtime.telemetry.scheduler import SchedulerTelemetry
@@ -192,11 +194,11 @@ def test_the_engine_process_stops_when_the_service_process_is_gone() -> None:
     engine.wait(WAIT_S)  # raises psutil.TimeoutExpired while the orphaned engine process lives on
 
 
-def test_a_stop_sees_the_engine_process_exit_even_when_another_reaper_took_its_status(caplog) -> None:
+def test_a_stop_sees_the_engine_process_exit_even_when_another_reaper_took_its_status(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """With SIGCHLD ignored (or a library reaping children: seen on the GPU box), waitpid answers ECHILD and
     multiprocessing reports the exited engine process as alive; stop must not call that a hang and kill it."""
-    import signal
-
     with Side(5) as side:
         pid = side.engine.pid
         previous = signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the child itself
