@@ -35,6 +35,24 @@ def delta_text(decode: Callable[[list[int]], str], tokens: list[int], new_from: 
     return full[len(before) :]
 
 
+def delta_text_of_bytes(table: list[bytes], tokens: list[int], new_from: int, finished: bool) -> str | None:
+    """delta_text() for a decoder that is the lossy UTF-8 of its tokens' bytes joined (`table[id]`: one
+    token's bytes); None when a token falls outside the table."""
+    try:
+        parts = [table[t] for t in tokens]
+    except IndexError:
+        return None
+    if tokens and min(tokens) < 0:
+        return None
+    before = b"".join(parts[:new_from])
+    full = (before + b"".join(parts[new_from:])).decode("utf-8", "replace")
+    if not finished:
+        full = _hold_back_incomplete(full)
+    if new_from == 0:
+        return full
+    return full[len(_hold_back_incomplete(before.decode("utf-8", "replace"))) :]
+
+
 def _hold_back_incomplete(text: str) -> str:
     # A lossy UTF-8 decode ends an unfinished multi-byte character with exactly one U+FFFD.
     return text[:-1] if text.endswith(_REPLACEMENT) else text

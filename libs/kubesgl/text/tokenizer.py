@@ -7,6 +7,7 @@ from functools import cached_property
 from typing import Any
 
 from kubesgl.errors import InvalidRequestError
+from kubesgl.text.incremental import delta_text, delta_text_of_bytes
 
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
@@ -76,6 +77,20 @@ class ModelTokenizer:
             return self._backend.decode(ids, skip_special_tokens=True)
         return self.hf.decode(ids, skip_special_tokens=True)
 
+    def delta_text(self, tokens: list[int], new_from: int, finished: bool) -> str:
+        """The text `tokens[new_from:]` add after `tokens[:new_from]` (kubesgl.text.incremental): from the byte
+        table where the decoder is byte-level alone, else from two decodes."""
+        table = self._decode_bytes
+        if table is not None:
+            text = delta_text_of_bytes(table, tokens, new_from, finished)
+            if text is not None:
+                return text
+        return delta_text(self.decode, tokens, new_from, finished)
+
+    def prepare_delta_text(self) -> None:
+        """Builds what delta_text() uses now, not on its first call."""
+        _ = self._decode_bytes
+
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes one token stands for (byte-level BPE and byte-fallback tokens may be partial UTF-8)."""
         token = self.hf.convert_ids_to_tokens(token_id)
@@ -99,6 +114,30 @@ class ModelTokenizer:
     @cached_property
     def _added_ids(self) -> frozenset[int]:
         return frozenset(getattr(self.hf, "added_tokens_decoder", {}) or {})
+
+    @cached_property
+    def _decode_bytes(self) -> list[bytes] | None:
+        """Per token id, the bytes `decode(..., skip_special_tokens=True)` makes of it, where the decoder is
+        GPT-2's byte-level one alone; None for any other decoder. The Rust ByteLevel decoder maps each token's
+        characters back to bytes (a token with a character outside the byte alphabet, like an added token with
+        a space, gives its own UTF-8), joins them and decodes the whole lossily: so a window's text is its
+        tokens' bytes joined and decoded, ~3x cheaper than asking the tokenizer (the detokenizer's per-token
+        cost). Special tokens are skipped (empty), as decode skips them; an id the tokenizer does not know
+        is dropped by decode and falls outside the table (the caller decodes instead)."""
+        if not self._byte_level:
+            return None
+        backend = self._backend
+        special = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
+        table: list[bytes] = []
+        for i in range(backend.get_vocab_size(with_added_tokens=True)):
+            token = backend.id_to_token(i)
+            if token is None or i in special:
+                table.append(b"")
+            elif all(c in _UNICODE_TO_BYTE for c in token):
+                table.append(bytes([_UNICODE_TO_BYTE[c] for c in token]))
+            else:
+                table.append(token.encode())
+        return table
 
     @cached_property
     def _byte_level(self) -> bool:

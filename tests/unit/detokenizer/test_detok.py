@@ -17,7 +17,7 @@ from kubesgl.runtime.telemetry.tracing import Tracing
 from kubesgl.services.detokenizer.service import DetokenizerService
 from kubesgl.services.gateway.request_stream import RequestStream as GatewayStream
 from kubesgl.services.scheduler.streams import RequestStream
-from kubesgl.text.incremental import delta_text, delta_window
+from kubesgl.text.incremental import delta_text, delta_text_of_bytes, delta_window
 from kubesgl.text.tokenizer import ModelTokenizer
 from kubesgl.values.outputs import RequestOutput
 from nats.aio.client import Client
@@ -40,12 +40,16 @@ def replicas(qwen_tokenizer_dir: str) -> list[ModelTokenizer]:
 
 
 def _stream(replicas: list[ModelTokenizer], ids: list[int], cuts: list[int], rng: random.Random) -> str:
-    """Sends `ids` as deltas ending at `cuts`, each decoded by a randomly chosen replica, like the bus does."""
+    """Sends `ids` as deltas ending at `cuts`, each decoded by a randomly chosen replica, like the bus does, and
+    by either way a replica has: its byte table (ModelTokenizer.delta_text) or two decodes."""
     text, sent = "", 0
     for end in [*cuts, len(ids)]:
         tokens, new_from = delta_window(ids[:end], sent)
-        tok = rng.choice(replicas)
-        text += delta_text(tok.decode, tokens, new_from, finished=end == len(ids))
+        tok, finished = rng.choice(replicas), end == len(ids)
+        if rng.random() < 0.5:
+            text += tok.delta_text(tokens, new_from, finished)
+        else:
+            text += delta_text(tok.decode, tokens, new_from, finished)
         sent = end
     return text
 
@@ -111,6 +115,62 @@ def test_long_run_of_invalid_bytes_is_not_lost_between_deltas(replicas: list[Mod
     for cut in range(1, len(ids)):
         assert _stream(replicas, ids, [cut], random.Random(cut)) == _reference(replicas, ids)
     assert _stream(replicas, ids, list(range(1, len(ids))), random.Random(3)) == "\ufffd" * 12 + " done"
+
+
+# -- the byte table against the tokenizer's own decode ----------------------------------------------------------
+
+
+def test_the_byte_table_decodes_every_token_as_the_tokenizer_does(replicas: list[ModelTokenizer]) -> None:
+    # Every id alone (special and added ones included) and ids past the vocabulary, which decode drops and the
+    # table leaves to decode.
+    tok = replicas[0]
+    table = tok._decode_bytes
+    assert table is not None and len(table) == tok.vocab_size
+    for i in range(tok.vocab_size + 64):
+        assert tok.delta_text([i], 0, finished=True) == tok.decode([i]), i
+    assert delta_text_of_bytes(table, [tok.vocab_size], 0, True) is None
+    assert delta_text_of_bytes(table, [-1], 0, True) is None
+
+
+def test_the_byte_table_replaces_invalid_utf8_as_the_tokenizer_does(replicas: list[ModelTokenizer]) -> None:
+    # Python's lossy UTF-8 decode against Rust's from_utf8_lossy, on random byte strings made of the 256
+    # single-byte tokens: stray continuation bytes, truncated and overlong sequences, surrogates.
+    tok = replicas[0]
+    table = tok._decode_bytes
+    assert table is not None
+    byte_token = {table[i][0]: i for i in range(tok.vocab_size) if len(table[i]) == 1}
+    assert len(byte_token) == 256
+    rng = random.Random(4)
+    for _ in range(3000):
+        ids = [byte_token[rng.randrange(256)] for _ in range(rng.randint(1, 12))]
+        new_from, finished = rng.randint(0, len(ids)), rng.random() < 0.5
+        assert tok.delta_text(ids, new_from, finished) == delta_text(tok.decode, ids, new_from, finished), ids
+
+
+def test_the_byte_table_agrees_with_two_decodes_on_random_windows(replicas: list[ModelTokenizer]) -> None:
+    tok = replicas[0]
+    rng = random.Random(5)
+    specials = list(range(151643, tok.vocab_size))  # Qwen3's added tokens, special or not
+    for _ in range(3000):
+        ids = [
+            rng.choice(specials) if rng.random() < 0.1 else rng.randrange(tok.vocab_size) for _ in range(9)
+        ]
+        new_from, finished = rng.randint(0, len(ids)), rng.random() < 0.5
+        assert tok.delta_text(ids, new_from, finished) == delta_text(tok.decode, ids, new_from, finished), ids
+
+
+def test_a_decoder_other_than_byte_level_gets_no_table() -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, "hello": 1, "##world": 2, "there": 3}
+    backend = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.decoder = decoders.WordPiece()
+    tok = ModelTokenizer(PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]"))
+    assert tok._decode_bytes is None
+    assert tok.delta_text([1, 2, 3], 0, finished=True) == tok.decode([1, 2, 3]) == "helloworld there"
+    assert tok.delta_text([1, 2, 3], 2, finished=True) == " there"
 
 
 # -- the detokenizer service: TokenDeltaBatches over a real nats-server ----------------------------------------
