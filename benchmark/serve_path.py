@@ -269,9 +269,14 @@ def cpu_seconds(procs: dict[str, psutil.Process]) -> dict[str, float]:
 
 
 async def run_once(
-    stack: Stack, procs: dict[str, psutil.Process], receiver: OtlpReceiver, args: argparse.Namespace, n: int
+    stack: Stack,
+    procs: dict[str, psutil.Process],
+    receiver: OtlpReceiver,
+    args: argparse.Namespace,
+    n: int,
+    seed: int,
 ) -> dict[str, Any]:
-    rng = random.Random(0)
+    rng = random.Random(seed)  # each run its own prompts: a later run meets the cache the earlier ones left
     lens = [rng.randint(args.min_input, args.max_input) for _ in range(n)]
     prompts = [[rng.randint(100, 10000) for _ in range(k)] for k in lens]
     outputs = [rng.randint(args.min_output, args.max_output) for _ in range(n)]
@@ -416,8 +421,8 @@ async def main(args: argparse.Namespace) -> None:
             for child in procs[engine_name].children():  # --engine-process: the engine's own
                 if "resource_tracker" not in " ".join(child.cmdline()):
                     procs["scheduler engine process"] = child
-            for n in args.streams:
-                row = await run_once(stack, procs, receiver, args, n)
+            for i, n in enumerate(args.streams):
+                row = await run_once(stack, procs, receiver, args, n, args.seed + i)
                 print_row(row)
                 if args.json:
                     with open(args.json, "a") as f:
@@ -456,6 +461,7 @@ def parse_args() -> argparse.Namespace:
         "--ready-timeout", type=float, default=120.0, help="seconds for the stack to be ready"
     )
     parser.add_argument("--json", default=None, help="append one JSON line per run")
+    parser.add_argument("--seed", type=int, default=0, help="the first run's prompts; run i gets seed + i")
     parser.add_argument(
         "--engine-process",
         action=argparse.BooleanOptionalAction,
