@@ -26,6 +26,11 @@ def step_profile() -> bool:
     return os.environ.get("KUBESGL_STEP_PROFILE", "") not in ("", "0")
 
 
+def step_log() -> str | None:
+    """KUBESGL_STEP_LOG=path: the engine appends one JSON line per step to `path` (engine/step_log.py)."""
+    return os.environ.get("KUBESGL_STEP_LOG") or None
+
+
 def disable_pdl() -> bool:
     """KUBESGL_DISABLE_PDL = 1/true: our Triton kernels launch without programmatic dependent launch
     (kernels/pdl.py); for ablations and for drivers that refuse it."""

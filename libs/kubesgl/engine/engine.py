@@ -25,6 +25,7 @@ from kubesgl.engine.plan import BatchPlan
 from kubesgl.engine.request import Req
 from kubesgl.engine.runner import ModelRunner
 from kubesgl.engine.scheduler import Scheduler, SchedulerLimits
+from kubesgl.engine.step_log import StepLog
 from kubesgl.engine.step_profile import StepHook, StepProfile
 from kubesgl.engine.step_result import PendingSample, StepResult
 from kubesgl.errors import InvalidRequestError
@@ -104,6 +105,8 @@ class Engine:
         self._inflight: Launched | None = None
         if step_hook is None and env.step_profile():
             step_hook = StepProfile(on_cuda=self.runner.device.type == "cuda")
+        elif step_hook is None and (log_path := env.step_log()):
+            step_hook = StepLog(log_path, self)
         self.step_hook = step_hook  # called at each phase of step() (profiling); None costs nothing
         hf = r.model.hf_config
         self.info = ModelInfo(
@@ -209,6 +212,8 @@ class Engine:
         )
 
     def shutdown(self) -> None:
+        if isinstance(self.step_hook, StepLog):
+            self.step_hook.close()
         if self.tp.size > 1 and dist.is_initialized():
             try:
                 self.tp.broadcast_object(None)

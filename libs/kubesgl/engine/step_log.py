@@ -1,0 +1,73 @@
+"""A serving run's step timeline (KUBESGL_STEP_LOG=path): one JSON line per launched engine step, to read after
+the fact where the time between a request's arrival and its first token went.
+
+Each line: `t` (time.time() at the step's start, seconds), `mode` (extend, decode, mixed), `rows`, `tokens`
+(the step's new tokens: prefill chunks plus one per decode row), `schedule_ms` and `launch_ms` (host time to
+plan and to launch it), and the scheduler's state after planning: `waiting`, `running`, `free_pages`,
+`cached_pages` (the prefix cache, evictable or not). With overlap scheduling a step's device time shows as the
+gap to the next line's `t`. Lines are buffered and flushed every `_FLUSH_EVERY` steps and at shutdown.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import IO, TYPE_CHECKING
+
+from kubesgl.engine.plan import BatchPlan
+
+if TYPE_CHECKING:
+    from kubesgl.engine.engine import Engine
+
+_FLUSH_EVERY = 64
+
+
+class StepLog:
+    """A StepHook (engine/step_profile.py) that writes `engine`'s step timeline to `path` (appending)."""
+
+    def __init__(self, path: str, engine: Engine) -> None:
+        self._file: IO[str] = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed by close()
+        self._engine = engine
+        self._start = self._planned = 0.0
+        self._wall = 0.0
+        self._unflushed = 0
+
+    def step_started(self) -> None:
+        self._wall, self._start = time.time(), time.perf_counter()
+
+    def scheduled(self, plan: BatchPlan) -> None:
+        self._planned = time.perf_counter()
+
+    def launched(self, plan: BatchPlan) -> None:
+        now, e = time.perf_counter(), self._engine
+        mode = "mixed" if plan.mode == "extend" and plan.num_decode else plan.mode
+        tokens = len(plan.slots) if plan.mode == "decode" else sum(plan.extend_lens)
+        line = {
+            "t": round(self._wall, 6),
+            "mode": mode,
+            "rows": len(plan.slots),
+            "tokens": tokens,
+            "schedule_ms": round((self._planned - self._start) * 1e3, 3),
+            "launch_ms": round((now - self._planned) * 1e3, 3),
+            "waiting": len(e.scheduler.waiting),
+            "running": len(e.scheduler.running),
+            "free_pages": e.pool.num_free,
+            "cached_pages": e.cache.cached_pages,
+        }
+        self._file.write(json.dumps(line) + "\n")
+        self._unflushed += 1
+        if self._unflushed >= _FLUSH_EVERY:
+            self.flush()
+
+    def read_back(self, plan: BatchPlan) -> None:
+        pass
+
+    def processed(self, plan: BatchPlan) -> None:
+        pass
+
+    def flush(self) -> None:
+        self._file.flush()
+        self._unflushed = 0
+
+    def close(self) -> None:
+        self._file.close()
