@@ -22,7 +22,7 @@ from kubesgl.errors import InvalidRequestError, KubesglError, ServiceUnavailable
 from kubesgl.openai_api.http_errors import error_body, error_from_validation
 from kubesgl.routing import SchedulerRegistry
 from kubesgl.runtime.nats_conn import NatsSettings, connect
-from kubesgl.runtime.process import parent_death_signal
+from kubesgl.runtime.process import freeze_heap, parent_death_signal
 from kubesgl.runtime.telemetry.metrics import GatewayMetrics, multiprocess_registry, new_registry
 from kubesgl.runtime.telemetry.tracing import Tracing
 from kubesgl.services.gateway import native_routes, openai_routes, ops_routes
@@ -96,6 +96,10 @@ class _Server(uvicorn.Server):
     def __init__(self, app: FastAPI, config: uvicorn.Config) -> None:
         super().__init__(config)
         self._app = app
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        freeze_heap()  # this process is the gateway's: its startup objects leave the collector's view
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         """uvicorn's drain waits `timeout_graceful_shutdown` for open responses, then cancels them, which cuts a

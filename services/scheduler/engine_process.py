@@ -33,6 +33,7 @@ from typing import Any
 
 from kubesgl.engine.engine import Engine
 from kubesgl.runtime.lifecycle import configure_logging
+from kubesgl.runtime.process import freeze_heap
 from kubesgl.runtime.telemetry.scheduler import SchedulerTelemetry
 from kubesgl.services.scheduler.engine_loop import (
     AbortRequest,
@@ -231,6 +232,7 @@ def run_engine_process(
             pass  # the service process is gone; the main thread sees EOF and stops the engine
 
     def loaded(info: ModelInfo) -> None:
+        freeze_heap()  # this process is the engine's: its startup objects leave the collector's view
         send(("loaded", info, loop.stats))
 
     def outputs(outs: list[RequestOutput], _parents: dict[str, str | None]) -> None:

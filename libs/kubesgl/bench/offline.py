@@ -22,6 +22,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from kubesgl.runtime.process import freeze_heap
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
@@ -283,6 +285,7 @@ def main(args: argparse.Namespace) -> int:
         max_prefill_tokens=args.max_prefill_length,
     )
     startup = time.perf_counter() - t0
+    freeze_heap()  # as the serving processes do once started (runtime.process), so both pay the same GC
     m = llm.engine.runner.model
     weight_bytes = sum(p.numel() * p.element_size() for p in m.parameters())
     kv_tok = KVCache.bytes_per_token(m.num_layers, m.num_kv_heads, m.head_dim, m.dtype)

@@ -35,6 +35,7 @@ from kubesgl.bench import shared_prefix
 from kubesgl.bench.offline import make_workload
 from kubesgl.bench.sse_client import HttpStatusError, post_events
 from kubesgl.bench.timing import RequestTiming, percentile
+from kubesgl.runtime.process import freeze_heap
 
 SINGLE_TTFT_RUNS = 5
 WARM_UP_TIMEOUT_S = 60.0
@@ -281,6 +282,7 @@ def _offline(args: argparse.Namespace, prompts: list[list[int]], max_tokens: lis
         dummy_weight=args.dummy_weight,
         cuda_graph_max_bs=args.cuda_graph_max_bs,
     )
+    freeze_heap()  # as the serving processes do once started (runtime.process): the same GC on both sides
     try:
         llm.generate([prompts[0][:8]], SamplingParams(max_tokens=2))  # warm-up
         params = [

@@ -106,7 +106,7 @@ class Engine:
         if step_hook is None and env.step_profile():
             step_hook = StepProfile(on_cuda=self.runner.device.type == "cuda")
         elif step_hook is None and (log_path := env.step_log()):
-            step_hook = StepLog(log_path, self)
+            step_hook = StepLog(log_path, self.scheduler, self.pool, self.cache)
         self.step_hook = step_hook  # called at each phase of step() (profiling); None costs nothing
         hf = r.model.hf_config
         self.info = ModelInfo(

@@ -12,22 +12,22 @@ from __future__ import annotations
 
 import json
 import time
-from typing import IO, TYPE_CHECKING
+from typing import IO
 
 from kubesgl.engine.plan import BatchPlan
-
-if TYPE_CHECKING:
-    from kubesgl.engine.engine import Engine
+from kubesgl.engine.scheduler.scheduler import Scheduler
+from kubesgl.kv.page_pool import PagePool
+from kubesgl.kv.prefix_cache import PrefixCache
 
 _FLUSH_EVERY = 64
 
 
 class StepLog:
-    """A StepHook (engine/step_profile.py) that writes `engine`'s step timeline to `path` (appending)."""
+    """A StepHook (engine/step_profile.py) that writes an engine's step timeline to `path` (appending)."""
 
-    def __init__(self, path: str, engine: Engine) -> None:
+    def __init__(self, path: str, scheduler: Scheduler, pool: PagePool, cache: PrefixCache) -> None:
         self._file: IO[str] = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed by close()
-        self._engine = engine
+        self._scheduler, self._pool, self._cache = scheduler, pool, cache
         self._start = self._planned = 0.0
         self._wall = 0.0
         self._unflushed = 0
@@ -39,7 +39,7 @@ class StepLog:
         self._planned = time.perf_counter()
 
     def launched(self, plan: BatchPlan) -> None:
-        now, e = time.perf_counter(), self._engine
+        now = time.perf_counter()
         mode = "mixed" if plan.mode == "extend" and plan.num_decode else plan.mode
         tokens = len(plan.slots) if plan.mode == "decode" else sum(plan.extend_lens)
         line = {
@@ -49,10 +49,10 @@ class StepLog:
             "tokens": tokens,
             "schedule_ms": round((self._planned - self._start) * 1e3, 3),
             "launch_ms": round((now - self._planned) * 1e3, 3),
-            "waiting": len(e.scheduler.waiting),
-            "running": len(e.scheduler.running),
-            "free_pages": e.pool.num_free,
-            "cached_pages": e.cache.cached_pages,
+            "waiting": len(self._scheduler.waiting),
+            "running": len(self._scheduler.running),
+            "free_pages": self._pool.num_free,
+            "cached_pages": self._cache.cached_pages,
         }
         self._file.write(json.dumps(line) + "\n")
         self._unflushed += 1

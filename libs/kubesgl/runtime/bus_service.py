@@ -16,6 +16,7 @@ from kubesgl.runtime.admin_http import AdminServer
 from kubesgl.runtime.lifecycle import configure_logging, stop_on_signals
 from kubesgl.runtime.listen import inherited_socket_arg
 from kubesgl.runtime.nats_conn import NatsSettings, add_nats_arguments, connect
+from kubesgl.runtime.process import freeze_heap
 
 log = logging.getLogger("kubesgl.runtime")
 
@@ -117,6 +118,7 @@ async def _serve(
         # The service may set `stop` itself, after a fatal error.
         service = await build(connecting.result(), stop)
         await service.start()
+        freeze_heap()  # the service's process: its startup objects leave the collector's view
         log.info("%s started", name)
         await stop.wait()
         await service.drain(args.drain_timeout)

@@ -1,10 +1,12 @@
 """A bus service's process runs on uvloop's event loop where uvloop is installed (the gateway's does too:
-uvicorn picks it), through the same run_bus_service the tokenizer, detokenizer and scheduler use."""
+uvicorn picks it), through the same run_bus_service the tokenizer, detokenizer and scheduler use, and freezes
+its startup heap once the service has started (runtime.process.freeze_heap)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 
 import pytest
 from kubesgl.runtime.bus_service import add_service_arguments, event_loop_factory, run_bus_service
@@ -50,5 +52,10 @@ def test_a_bus_service_runs_on_uvloop(nats_server: NatsServer) -> None:
         services.append(LoopRecorder(stop))
         return services[0]
 
-    assert run_bus_service(args, "loop-test", CollectorRegistry(), build) == 0
-    assert isinstance(services[0].loop, uvloop.Loop)
+    gc.unfreeze()
+    try:
+        assert run_bus_service(args, "loop-test", CollectorRegistry(), build) == 0
+        assert isinstance(services[0].loop, uvloop.Loop)
+        assert gc.get_freeze_count() > 0  # started: the process's startup objects left the collector's view
+    finally:
+        gc.unfreeze()  # this is the test process's heap
