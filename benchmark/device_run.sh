@@ -92,7 +92,8 @@ case "$mode" in
     timeout 80 $B --model Qwen3-0.6B --enable-mixed-chunk | tail -1
     timeout 80 $B --model Qwen3-0.6B | tail -1
     ;;
-  serve)  # kubesgl bench serve, 256 concurrent streams, through ONE `kubesgl up --gateways 4 --detokenizers 2`
+  serve)  # kubesgl bench serve, 256 concurrent streams, through ONE `kubesgl up --gateways 4 --tokenizers 2
+          # --detokenizers 2` (the chart's 2 tokenizer and 2 detokenizer replicas; one tokenizer until 2026-12-06)
           # (Qwen3-0.6B, random weights): every stream through gateway 0 alone (g1), then round-robin over the
           # first 2 gateways, the chart's default (gateway.replicas 2, one worker at its 500m request), with the
           # offline LLM on the same requests after it (g2: serve/offline, TTFT p99 against the offline engine's
@@ -112,7 +113,7 @@ case "$mode" in
     KV=${SERVE_KV:---page-size 16 --num-pages $(python3 -c "import torch; print(24000 if torch.cuda.get_device_properties(0).total_memory > 100 * 2**30 else 17000)")}
     [ -n "${SERVE_MODEL:-}" ] || python3 -c "from kubesgl.models.random_init import write_serving_config as w; w('Qwen3-0.6B', '$M')"
     timeout 420 python3 -m kubesgl.cli up --model $M --device $DEV --port $P --base-port $((P + 100)) --gateways $G \
-      --gateway-workers ${SERVE_GATEWAY_WORKERS:-1} --detokenizers 2 --scheduler-args "--dummy-weight $KV ${SERVE_SCHED_ARGS:-}" > "$OUT/serve_up.log" 2>&1 &
+      --gateway-workers ${SERVE_GATEWAY_WORKERS:-1} --tokenizers 2 --detokenizers 2 --scheduler-args "--dummy-weight $KV ${SERVE_SCHED_ARGS:-}" > "$OUT/serve_up.log" 2>&1 &
     UP=$!
     C="python3 benchmark/service_cpu.py snapshot $UP"
     timeout 400 bash -c "for n in \$(seq 0 $((G - 1))); do python3 benchmark/wait_models.py http://127.0.0.1:\$(($P + n)) 150 || exit 1; done
@@ -134,7 +135,7 @@ case "$mode" in
     M=/tmp/kubesgl-serve/Qwen3-0.6B
     python3 -c "from kubesgl.models.random_init import write_serving_config as w; w('Qwen3-0.6B', '$M')"
     # SERVETRACE_STREAMS="256,256": a second run on the same stack, its prompts new (the cache full of the first's)
-    timeout 300 python3 benchmark/serve_path.py --model $M --detokenizers 2 --streams ${SERVETRACE_STREAMS:-256} --min-output 100 \
+    timeout 300 python3 benchmark/serve_path.py --model $M --tokenizers 2 --detokenizers 2 --streams ${SERVETRACE_STREAMS:-256} --min-output 100 \
       --max-output 1024 --trace-every 4 --ready-timeout 200 --json "$OUT/servetrace.jsonl" \
       --scheduler-args "--device cuda --dummy-weight --page-size 16 --num-pages 17000 ${SERVE_SCHED_ARGS:-}" 2>&1 \
       | grep -v Warn | tail -16 | tee "$OUT/servetrace.txt"

@@ -385,6 +385,7 @@ async def main(args: argparse.Namespace) -> None:
                 *shlex.split(args.scheduler_args),
             ),
             detokenizers=args.detokenizers,
+            tokenizers=args.tokenizers,
             gateway_workers=args.gateway_workers,
             log_level="warning",
             env=env,
@@ -457,6 +458,7 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--scheduler-args", default="", help="with --model: the scheduler's flags")
     parser.add_argument("--detokenizers", type=int, default=1)
+    parser.add_argument("--tokenizers", type=int, default=1)
     parser.add_argument(
         "--ready-timeout", type=float, default=120.0, help="seconds for the stack to be ready"
     )
