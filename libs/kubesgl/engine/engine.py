@@ -212,8 +212,9 @@ class Engine:
         )
 
     def shutdown(self) -> None:
-        if isinstance(self.step_hook, StepLog):
-            self.step_hook.close()
+        hook = getattr(self, "step_hook", None)  # absent when the engine failed to start
+        if isinstance(hook, StepLog):
+            hook.close()
         if self.tp.size > 1 and dist.is_initialized():
             try:
                 self.tp.broadcast_object(None)
