@@ -80,36 +80,51 @@ def _close(group: ChoiceGroup, scope: RequestScope, status: int) -> None:
 async def _sse_events(
     group: ChoiceGroup, encoder: Encoder, scope: RequestScope, include_usage: bool
 ) -> AsyncIterator[bytes]:
+    """The stream's bytes, one piece per write: an event's chunks together, and the end of the stream (the last
+    event of a single choice, the usage chunk, an error event, [DONE]) together, so a stream's end is one write
+    (with the body's terminator, which the response adds to the last piece's write)."""
     status = CLIENT_CLOSED  # unless the stream reaches its end
+    tail: list[bytes] = []
+    single = len(group.choices) == 1
     try:
         for chunk in encoder.prelude():
             yield sse(chunk)
         unsent = 0  # tokens whose chunk is still held back (no text yet): timed when the client gets them
         async for event in group.events():
             unsent += len(event.token_ids)
-            for chunk in encoder.chunks(event):
-                yield sse(chunk)
+            frames = [sse(chunk) for chunk in encoder.chunks(event)]
+            if single and event.finish_reason is not None:
+                tail += frames  # the choice's last event: the stream ends right after it
+                continue
+            if frames:
+                yield b"".join(frames)
                 scope.metrics.on_tokens(unsent)
                 unsent = 0
-        scope.metrics.on_tokens(unsent)
+        scope.metrics.on_tokens(unsent)  # the last event's tokens, timed as they go into the final write
         if include_usage:
-            yield sse(encoder.usage_chunk())
+            tail.append(sse(encoder.usage_chunk()))
         status = 200
     except KubesglError as e:
         status = e.status
-        yield sse(error_body(e))
+        tail.append(sse(error_body(e)))
     except Exception:
         log.exception("stream failed")
         status = 500
-        yield sse(error_body(KubesglError("internal error")))
+        tail.append(sse(error_body(KubesglError("internal error"))))
     finally:
         # Runs on a client disconnect too (the generator is cancelled): free the request's pages at once.
         _close(group, scope, status)
-    yield sse("[DONE]")
+    tail.append(sse("[DONE]"))
+    yield b"".join(tail)
+
+
+_DONE = sse("[DONE]")
 
 
 class ClosingStreamingResponse(StreamingResponse):
-    """A StreamingResponse that runs `on_close` however it ends, even if its body is never iterated."""
+    """A StreamingResponse that runs `on_close` however it ends, even if its body is never iterated, and ends
+    the body with the piece that carries [DONE] (one write for the stream's end and the chunked terminator,
+    where StreamingResponse sends an empty last message: one more write per request)."""
 
     def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
         super().__init__(
@@ -124,3 +139,13 @@ class ClosingStreamingResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._on_close()
+
+    async def stream_response(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        ended = False
+        async for piece in self.body_iterator:
+            # Only the stream's last piece ends with the [DONE] event: every other event is a JSON object.
+            ended = isinstance(piece, bytes) and piece.endswith(_DONE)
+            await send({"type": "http.response.body", "body": piece, "more_body": not ended})
+        if not ended:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
