@@ -58,6 +58,10 @@ class Engine:
         check_ranks(config)
         if config.node_rank != 0:
             raise InvalidRequestError("only node 0 runs the engine; other nodes use run_node_ranks")
+        if step_hook is None and env.step_profile() and env.step_log():  # one hook: neither may go unheard
+            raise InvalidRequestError(
+                "KUBESGL_STEP_PROFILE and KUBESGL_STEP_LOG are both set; set one of them"
+            )
         self.config = config
         store = rank0_store(config)
         port = store.port if store is not None else 0
@@ -212,9 +216,6 @@ class Engine:
         )
 
     def shutdown(self) -> None:
-        hook = getattr(self, "step_hook", None)  # absent when the engine failed to start
-        if isinstance(hook, StepLog):
-            hook.close()
         if self.tp.size > 1 and dist.is_initialized():
             try:
                 self.tp.broadcast_object(None)

@@ -5,32 +5,29 @@ Each line: `t` (time.time() at the step's start, seconds), `mode` (extend, decod
 (the step's new tokens: prefill chunks plus one per decode row), `schedule_ms` and `launch_ms` (host time to
 plan and to launch it), and the scheduler's state after planning: `waiting`, `running`, `free_pages`,
 `cached_pages` (the prefix cache, evictable or not). With overlap scheduling a step's device time shows as the
-gap to the next line's `t`. Lines are buffered and flushed every `_FLUSH_EVERY` steps and at shutdown.
+gap to the next line's `t`. The file is line-buffered: each step's line is on disk once the step is launched,
+so an engine that is killed keeps its timeline (a few µs per step, and only while the variable is set).
 """
 
 from __future__ import annotations
 
 import json
 import time
-from typing import IO
 
 from kubesgl.engine.plan import BatchPlan
 from kubesgl.engine.scheduler.scheduler import Scheduler
 from kubesgl.kv.page_pool import PagePool
 from kubesgl.kv.prefix_cache import PrefixCache
 
-_FLUSH_EVERY = 64
-
 
 class StepLog:
     """A StepHook (engine/step_profile.py) that writes an engine's step timeline to `path` (appending)."""
 
     def __init__(self, path: str, scheduler: Scheduler, pool: PagePool, cache: PrefixCache) -> None:
-        self._file: IO[str] = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed by close()
+        # Open for the engine's life (closed with the process): line-buffered, nothing to flush or close.
+        self._file = open(path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115
         self._scheduler, self._pool, self._cache = scheduler, pool, cache
-        self._start = self._planned = 0.0
-        self._wall = 0.0
-        self._unflushed = 0
+        self._wall = self._start = self._planned = 0.0
 
     def step_started(self) -> None:
         self._wall, self._start = time.time(), time.perf_counter()
@@ -55,19 +52,9 @@ class StepLog:
             "cached_pages": self._cache.cached_pages,
         }
         self._file.write(json.dumps(line) + "\n")
-        self._unflushed += 1
-        if self._unflushed >= _FLUSH_EVERY:
-            self.flush()
 
     def read_back(self, plan: BatchPlan) -> None:
         pass
 
     def processed(self, plan: BatchPlan) -> None:
         pass
-
-    def flush(self) -> None:
-        self._file.flush()
-        self._unflushed = 0
-
-    def close(self) -> None:
-        self._file.close()

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from kubesgl import LLM, SamplingParams
+from kubesgl.errors import InvalidRequestError
 from kubesgl.models.random_init import build_random_model
 
 
@@ -38,3 +39,13 @@ def test_each_step_is_one_line_with_what_it_ran(
     assert times == sorted(times)
     assert lines[0]["waiting"] == 2 and lines[0]["running"] == 1  # only the first prompt fits the first chunk
     assert all(x["schedule_ms"] >= 0 and x["launch_ms"] >= 0 and x["free_pages"] >= 0 for x in lines)
+
+
+def test_the_step_log_and_the_step_profile_together_are_refused(
+    model: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KUBESGL_STEP_LOG", str(tmp_path / "steps.jsonl"))
+    monkeypatch.setenv("KUBESGL_STEP_PROFILE", "1")
+    with pytest.raises(InvalidRequestError, match="KUBESGL_STEP_PROFILE and KUBESGL_STEP_LOG"):
+        LLM(model)
+    assert not (tmp_path / "steps.jsonl").exists()
