@@ -97,8 +97,8 @@ class ModelTokenizer:
         if token is None:
             return b""
         if token_id not in self._added_ids:
-            if self._byte_level and all(c in _UNICODE_TO_BYTE for c in token):
-                return bytes(_UNICODE_TO_BYTE[c] for c in token)
+            if self._byte_level and (raw := _byte_level_bytes(token)) is not None:
+                return raw
             if m := _BYTE_FALLBACK.fullmatch(token):
                 return bytes([int(m.group(1), 16)])
         return self.hf.decode([token_id], skip_special_tokens=False).encode()
@@ -133,10 +133,9 @@ class ModelTokenizer:
             token = backend.id_to_token(i)
             if token is None or i in special:
                 table.append(b"")
-            elif all(c in _UNICODE_TO_BYTE for c in token):
-                table.append(bytes([_UNICODE_TO_BYTE[c] for c in token]))
             else:
-                table.append(token.encode())
+                raw = _byte_level_bytes(token)
+                table.append(token.encode() if raw is None else raw)
         return table
 
     @cached_property
@@ -164,3 +163,11 @@ def _gpt2_unicode_to_byte() -> dict[str, int]:
 
 
 _UNICODE_TO_BYTE = _gpt2_unicode_to_byte()
+
+
+def _byte_level_bytes(token: str) -> bytes | None:
+    """The bytes a byte-level BPE token's characters stand for; None if one is outside the byte alphabet."""
+    try:
+        return bytes([_UNICODE_TO_BYTE[c] for c in token])
+    except KeyError:
+        return None
