@@ -23,6 +23,7 @@ log = logging.getLogger("kubesgl.gateway")
 
 T = TypeVar("T")
 _DISCONNECT_POLL_S = 0.5
+_DONE = sse("[DONE]")  # every stream's last event
 
 
 class ClientGone(Exception):
@@ -114,11 +115,8 @@ async def _sse_events(
     finally:
         # Runs on a client disconnect too (the generator is cancelled): free the request's pages at once.
         _close(group, scope, status)
-    tail.append(sse("[DONE]"))
+    tail.append(_DONE)
     yield b"".join(tail)
-
-
-_DONE = sse("[DONE]")
 
 
 class ClosingStreamingResponse(StreamingResponse):
