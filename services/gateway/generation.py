@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from kubesgl.errors import DeadlineExceededError, KubesglError, ServiceUnavailableError
@@ -69,9 +69,18 @@ class ChoiceGeneration:
     _epoch: str = field(
         default="", repr=False
     )  # the admitting instance's process epoch (its restart is its death)
+    _stop_filter: StopStringFilter[TokenLogprob] = field(init=False, repr=False)
+    _last_output: float = field(default=0.0, repr=False)  # monotonic time of the last delta taken
+    _on_event: Callable[[ChoiceEvent], None] | None = field(default=None, repr=False)  # push_events'
+    _push_error: Exception | None = field(default=None, repr=False)  # what _on_event raised
+
+    def __post_init__(self) -> None:
+        self._stop_filter = StopStringFilter(self.stops)
 
     async def admit(self) -> Admitted:
         self._stream = self.bus.open(self.request.rid)
+        if self._on_event is not None:  # a migration's new stream
+            self._stream.set_sink(self._take_pushed)
         self.admitted = await self.bus.admit(self._stream, self.request, self.traceparent)
         self._epoch = self.bus.registry.epoch(self.admitted.instance_id)
         return self.admitted
@@ -82,14 +91,49 @@ class ChoiceGeneration:
             self.bus.close(self._stream, abort=not self._finished)
             self._finished = True
 
+    def push_events(self, on_event: Callable[[ChoiceEvent], None]) -> bool:
+        """Hands the choice's events to `on_event` as their deltas arrive, in the bus's delivery, instead of
+        through events() (which then wakes only for what ends the choice: its last delta, an error, the deadline,
+        a lost instance). Only for a choice without stop strings, whose events never end it early; returns
+        whether it took effect. A delta that arrives while events() still holds undelivered ones goes through
+        events() too, so the order holds. Call it from events()'s consumer, before or between its events."""
+        if self.stops or self._stream is None:
+            return False
+        self._on_event = on_event
+        self._stream.set_sink(self._take_pushed)
+        return True
+
+    def _take_pushed(self, delta: TextDelta) -> bool:
+        """The stream's sink: takes a delta that neither ends the choice nor comes past the deadline."""
+        if delta.finished or delta.error is not None or self._on_event is None:
+            return False
+        now = time.monotonic()
+        if now >= self.limits.deadline_mono:
+            return False  # events() raises the deadline
+        event, _ = self._event(delta, self._stop_filter, self._tokens)
+        self._last_output = now
+        try:
+            self._on_event(event)
+        except Exception as e:  # noqa: BLE001 - events() raises it in the stream's own task
+            self.fail_pushed(e)
+        return True
+
+    def fail_pushed(self, error: Exception) -> None:
+        """What push_events' receiver could not take ends the choice with `error`, in events()."""
+        self._push_error, self._on_event = error, None
+        if self._stream is not None:
+            self._stream.set_sink(None)
+            self._stream.wake()
+
     async def events(self) -> AsyncIterator[ChoiceEvent]:
         """One event per delta while the client keeps up; a stream that fell behind (its deltas queued while it
         was writing) gets every delta already here in one event: one SSE chunk, never an empty wait for more."""
         assert self._stream is not None, "admit() first"
-        stop_filter: StopStringFilter[TokenLogprob] = StopStringFilter(self.stops)
-        tokens = self._tokens
-        last_output = time.monotonic()
+        stop_filter, tokens = self._stop_filter, self._tokens
+        self._last_output = time.monotonic()
         while True:
+            if self._push_error is not None:
+                raise self._push_error
             # Checked before every wait, not only after a silent one: a stream whose deltas never pause
             # would otherwise outlive its deadline (the scheduler's own expiry comes seconds later).
             left = self.limits.deadline_mono - time.monotonic()
@@ -99,12 +143,12 @@ class ChoiceGeneration:
             delta = await self._stream.next(left)
             if delta is None:
                 if self._instance_gone():
-                    await self._migrate(last_output)
-                    last_output = time.monotonic()
+                    await self._migrate(self._last_output)
+                    self._last_output = time.monotonic()
                     continue
-                self._raise_if_stuck(last_output)
+                self._raise_if_stuck(self._last_output)
                 continue
-            last_output = time.monotonic()
+            self._last_output = time.monotonic()
             event, done = self._event(delta, stop_filter, tokens)
             while not done and (queued := self._stream.next_ready()) is not None:
                 try:
@@ -112,7 +156,7 @@ class ChoiceGeneration:
                 except KubesglError:
                     yield event  # what came before the failure goes out first, as one delta at a time did
                     raise
-                event = _joined(event, later)
+                event = joined([event, later])
             yield event
             if done:
                 return
@@ -213,22 +257,25 @@ class ChoiceGeneration:
         migration.admitted(admitted.instance_id)
 
 
-def _joined(first: ChoiceEvent, then: ChoiceEvent) -> ChoiceEvent:
-    """Two successive events of one choice as one: texts, tokens and logprobs in order, the later counts."""
+def joined(events: list[ChoiceEvent]) -> ChoiceEvent:
+    """Successive events of one choice as one: texts, tokens and logprobs in order, the last one's counts."""
+    if len(events) == 1:
+        return events[0]
+    first, last = events[0], events[-1]
     logprobs = None
-    if first.logprobs is not None or then.logprobs is not None:
-        logprobs = [*(first.logprobs or ()), *(then.logprobs or ())]
+    if any(e.logprobs is not None for e in events):
+        logprobs = [lp for e in events for lp in e.logprobs or ()]
     return ChoiceEvent(
         first.index,
-        first.text + then.text,
-        first.token_ids + then.token_ids,
+        "".join(e.text for e in events),
+        [t for e in events for t in e.token_ids],
         logprobs,
-        then.prompt_tokens,
-        then.cached_tokens,
-        then.completion_tokens,
-        then.finish_reason,
-        then.matched_stop,
-        first.prompt_logprobs if first.prompt_logprobs is not None else then.prompt_logprobs,
+        last.prompt_tokens,
+        last.cached_tokens,
+        last.completion_tokens,
+        last.finish_reason,
+        last.matched_stop,
+        next((e.prompt_logprobs for e in events if e.prompt_logprobs is not None), None),
     )
 
 

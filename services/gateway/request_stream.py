@@ -6,11 +6,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-import weakref
 from collections import deque
+from collections.abc import Callable
 
 from kubesgl.errors import KubesglError
 from kubesgl.protocol import ErrorInfo, TextDelta
+from kubesgl.services.gateway.loop_local import LoopLocal
 
 TICK_S = 0.5  # how often a waiting stream is woken with nothing, for its caller's periodic checks
 
@@ -40,15 +41,7 @@ class _Ticker:
                 stream.wake()
 
 
-_tickers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Ticker] = weakref.WeakKeyDictionary()
-
-
-def _ticker() -> _Ticker:
-    loop = asyncio.get_running_loop()
-    ticker = _tickers.get(loop)
-    if ticker is None:
-        ticker = _tickers[loop] = _Ticker()
-    return ticker
+_tickers = LoopLocal(lambda loop: _Ticker())
 
 
 class RequestStream:
@@ -59,6 +52,7 @@ class RequestStream:
         self._held: dict[str, dict[int, TextDelta]] = {}  # out-of-order deltas, per sending instance
         self._ready: deque[TextDelta] = deque()  # in order, for next()
         self._waiter: asyncio.Future[None] | None = None  # next()'s, while it waits
+        self._sink: Callable[[TextDelta], bool] | None = None  # set_sink's
         self._gap_since: float | None = (
             None  # monotonic time a later delta arrived while `_next_seq` is missing
         )
@@ -107,7 +101,7 @@ class RequestStream:
                         async with asyncio.timeout(timeout):
                             await self._waiter
                 else:
-                    ticker = _ticker()
+                    ticker = _tickers.get()
                     ticker.add(self)
                     try:
                         await self._waiter
@@ -131,7 +125,16 @@ class RequestStream:
             return self._pop()
         return None
 
+    def set_sink(self, sink: Callable[[TextDelta], bool] | None) -> None:
+        """From now on, each in-order delta that arrives while none is queued goes to `sink` as it arrives (in
+        the bus's delivery, not in the caller's task); `sink` returns False to decline one, which is then queued
+        for next() as without a sink (and so is every later one until the queue is empty again). None: no sink."""
+        self._sink = sink
+
     def _push(self, delta: TextDelta) -> None:
+        sink = self._sink
+        if sink is not None and not self._ready and sink(delta):
+            return
         self._ready.append(delta)
         self.wake()
 

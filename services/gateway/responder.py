@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from fastapi import Request
@@ -16,7 +16,9 @@ from kubesgl.openai_api.http_errors import error_body
 from kubesgl.openai_api.responses import sse
 from kubesgl.services.gateway.choice_group import ChoiceGroup
 from kubesgl.services.gateway.encoders import Encoder
+from kubesgl.services.gateway.generation import ChoiceEvent, joined
 from kubesgl.services.gateway.request_scope import CLIENT_CLOSED, RequestScope
+from kubesgl.services.gateway.sse_writer import SseWriter
 from starlette.types import Receive, Scope, Send
 
 log = logging.getLogger("kubesgl.gateway")
@@ -41,9 +43,11 @@ async def respond(
     try:
         await until_disconnect(request, group.admit())
         if stream:
-            events = _sse_events(group, encoder, scope, include_usage)
-            # The stream's own end records the real status first; this only catches a body never iterated.
-            return ClosingStreamingResponse(events, on_close=lambda: _close(group, scope, CLIENT_CLOSED))
+            # The stream's own end records the real status first; on_close only catches a body never started.
+            return ClosingStreamingResponse(
+                lambda send: _sse_stream(group, encoder, scope, include_usage, send),
+                on_close=lambda: _close(group, scope, CLIENT_CLOSED),
+            )
         results = await until_disconnect(request, group.collect())
     except KubesglError as e:
         _close(group, scope, e.status)
@@ -78,30 +82,36 @@ def _close(group: ChoiceGroup, scope: RequestScope, status: int) -> None:
     scope.finish(status, group.rid, group.prompt_tokens())
 
 
-async def _sse_events(
-    group: ChoiceGroup, encoder: Encoder, scope: RequestScope, include_usage: bool
-) -> AsyncIterator[bytes]:
-    """The stream's bytes, one piece per write: an event's chunks together, and the end of the stream (the last
-    event of a single choice, the usage chunk, an error event, [DONE]) together, so a stream's end is one write
-    (with the body's terminator, which the response adds to the last piece's write)."""
+async def _sse_stream(
+    group: ChoiceGroup, encoder: Encoder, scope: RequestScope, include_usage: bool, send: Send
+) -> None:
+    """The stream's bytes: the prelude; then a single choice's events as its deltas arrive
+    (ChoiceGeneration.push_events: each loop turn writes what the stream got in it as one SSE chunk), or several
+    choices' events as they come out of the group; then the end of the stream (the last event of a single
+    choice, the usage chunk, an error event, [DONE]) as one write, with the body's terminator."""
     status = CLIENT_CLOSED  # unless the stream reaches its end
     tail: list[bytes] = []
     single = len(group.choices) == 1
+    writer: SseWriter[ChoiceEvent] = SseWriter(
+        send,
+        render=lambda events: _frames(encoder, joined(events)),
+        on_sent=scope.metrics.on_tokens,
+        on_render_error=group.choices[0].fail_pushed,
+    )
     try:
-        for chunk in encoder.prelude():
-            yield sse(chunk)
-        unsent = 0  # tokens whose chunk is still held back (no text yet): timed when the client gets them
+        prelude = b"".join(sse(chunk) for chunk in encoder.prelude())
+        if prelude:
+            await writer.write(prelude)
+        if single:
+            group.choices[0].push_events(lambda event: writer.add(event, len(event.token_ids)))
         async for event in group.events():
-            unsent += len(event.token_ids)
-            frames = [sse(chunk) for chunk in encoder.chunks(event)]
             if single and event.finish_reason is not None:
-                tail += frames  # the choice's last event: the stream ends right after it
+                tail.append(
+                    _frames(encoder, event)
+                )  # the choice's last event: the stream ends right after it
+                writer.count(len(event.token_ids))  # timed as they go into the final write
                 continue
-            if frames:
-                yield b"".join(frames)
-                scope.metrics.on_tokens(unsent)
-                unsent = 0
-        scope.metrics.on_tokens(unsent)  # the last event's tokens, timed as they go into the final write
+            await writer.write(_frames(encoder, event), len(event.token_ids))
         if include_usage:
             tail.append(sse(encoder.usage_chunk()))
         status = 200
@@ -113,24 +123,29 @@ async def _sse_events(
         status = 500
         tail.append(sse(error_body(KubesglError("internal error"))))
     finally:
-        # Runs on a client disconnect too (the generator is cancelled): free the request's pages at once.
+        # Runs on a client disconnect too (the task is cancelled): free the request's pages at once.
         _close(group, scope, status)
     tail.append(_DONE)
-    yield b"".join(tail)
+    await writer.end(b"".join(tail))
+
+
+def _frames(encoder: Encoder, event: ChoiceEvent) -> bytes:
+    return b"".join([sse(chunk) for chunk in encoder.chunks(event)])
 
 
 class ClosingStreamingResponse(StreamingResponse):
-    """A StreamingResponse that runs `on_close` however it ends, even if its body is never iterated, and ends
-    the body with the piece that carries [DONE] (one write for the stream's end and the chunked terminator,
-    where StreamingResponse sends an empty last message: one more write per request)."""
+    """An SSE response whose `body(send)` writes the body itself (through an SseWriter: StreamingResponse's
+    iterator of pieces costs a task wake and an async-generator hop per piece), and that runs `on_close` however
+    it ends, even if its body never starts. StreamingResponse still listens for the client's disconnect, which
+    cancels `body`."""
 
-    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
+    def __init__(self, body: Callable[[Send], Awaitable[None]], on_close: Callable[[], None]) -> None:
         super().__init__(
-            content,
+            (),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-        self._on_close = on_close
+        self._body, self._on_close = body, on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -140,10 +155,4 @@ class ClosingStreamingResponse(StreamingResponse):
 
     async def stream_response(self, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        ended = False
-        async for piece in self.body_iterator:
-            # Only the stream's last piece ends with the [DONE] event: every other event is a JSON object.
-            ended = isinstance(piece, bytes) and piece.endswith(_DONE)
-            await send({"type": "http.response.body", "body": piece, "more_body": not ended})
-        if not ended:
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        await self._body(send)

@@ -72,7 +72,7 @@ async def test_a_long_wait_ends_at_a_delta_or_at_the_shared_tick_and_the_ticker_
     start = time.monotonic()
     waits = [asyncio.ensure_future(s.next(60.0)) for s in streams]
     await asyncio.sleep(0.01)
-    ticker = request_stream._ticker()
+    ticker = request_stream._tickers.get()
     assert ticker.waiting == set(streams)
     streams[0].offer(TextDelta(rid="r0", instance_id="a", seq=0, text="x"))
     first = await asyncio.wait_for(waits[0], 1)
