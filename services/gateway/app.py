@@ -36,6 +36,7 @@ from kubesgl.services.gateway.guards import ApiKeyCheck, BodySizeLimit
 from kubesgl.services.gateway.http_protocol import TimedHttpProtocol
 from kubesgl.services.gateway.migration import MigrationPolicy
 from kubesgl.services.gateway.ops_routes import not_ready_reason
+from kubesgl.services.gateway.responder import KeepServerSend
 from kubesgl.services.gateway.workers import WorkerBoard, supervise
 from starlette.exceptions import HTTPException
 
@@ -79,7 +80,7 @@ def serve(config: GatewayConfig, board: WorkerBoard | None = None, index: int = 
     server = _Server(
         app,
         uvicorn.Config(
-            app,
+            KeepServerSend(app),  # an SSE body's pieces skip the middlewares' send wrappers
             http=TimedHttpProtocol,  # a connection's first request is timed from its bytes' arrival
             host=config.host,
             port=config.port,

@@ -11,7 +11,10 @@ from typing import Any
 
 import pytest
 from kubesgl.protocol import TextDelta
+from kubesgl.services.gateway.app import build_app
+from kubesgl.services.gateway.config import GatewayConfig
 from kubesgl.services.gateway.request_stream import RequestStream
+from kubesgl.services.gateway.responder import BODY_BLIND_MIDDLEWARES
 from kubesgl.services.gateway.sse_writer import SseWriter
 
 
@@ -136,3 +139,22 @@ async def test_a_request_stream_sink_takes_deltas_only_while_none_wait_for_next(
     assert [(await s.next(0.01)).text for _ in range(2)] == ["no", "y"]  # type: ignore[union-attr]
     s.offer(TextDelta(rid="r", instance_id="a", seq=3, text="z"))  # the queue is empty again
     assert taken == ["x", "z"]
+
+
+def test_an_sse_body_may_skip_the_send_wrappers_of_every_layer_the_gateway_app_has() -> None:
+    """KeepServerSend sends SSE bodies past the middlewares: each layer here was read for what its send wrapper
+    does (the response's start only). A layer added by us or by a FastAPI/Starlette upgrade fails this until it
+    is read too, and added here (or, if it looks at bodies, the bypass goes)."""
+    app = build_app(GatewayConfig())
+    layers, node = [], app.build_middleware_stack()
+    while type(node).__name__ != "APIRouter":
+        layers.append(type(node).__name__)
+        node = node.app
+    starlette_and_fastapi = [
+        "ServerErrorMiddleware",  # marks the response started (start only)
+        "ExceptionTelemetryMiddleware",  # wraps no send
+        "AppBodyLimitMiddleware",  # marks the response started (start only); limits the request's body
+        "ExceptionMiddleware",  # marks the response started (start only)
+        "AsyncExitStackMiddleware",  # wraps no send
+    ]
+    assert sorted(layers) == sorted([*starlette_and_fastapi, *BODY_BLIND_MIDDLEWARES])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import re
 
 import pytest
@@ -14,10 +15,11 @@ from kubesgl.runtime.telemetry.metrics import (
     StageMetrics,
     TokenizerMetrics,
     new_registry,
+    observe_many,
     render,
 )
 from kubesgl.values.outputs import EngineStats
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Histogram
 from support.dashboard_queries import exported_labels
 from support.operator_scrape import RESERVED_LABELS
 
@@ -334,3 +336,39 @@ def test_no_metric_label_collides_with_a_scrape_target_label() -> None:
     assert labels["kubesgl_nats_reconnects_total"] == {"component"}
     for name, names in labels.items():
         assert not names & RESERVED_LABELS, (name, names & RESERVED_LABELS)
+
+
+@pytest.mark.parametrize("labelled", [False, True])
+def test_observe_many_gives_the_exposition_of_observing_n_times(labelled: bool) -> None:
+    rng = random.Random(7)
+    bounds = (0.001, 0.002, 0.004, 0.01, 0.1, 1.0)
+    registries = (CollectorRegistry(), CollectorRegistry())
+
+    def make(registry: CollectorRegistry) -> Histogram:
+        h = Histogram("x_seconds", "x", ["model"] if labelled else [], buckets=bounds, registry=registry)
+        return h.labels(model="m") if labelled else h
+
+    many, one_by_one = make(registries[0]), make(registries[1])
+    # Values on the bounds too (le is inclusive), and above the last one (+Inf).
+    values = [*bounds, 0.0, 5.0, *(rng.uniform(0, 0.02) for _ in range(50))]
+    for v in values:
+        n = rng.randint(1, 5)
+        observe_many(many, v, n)
+        for _ in range(n):
+            one_by_one.observe(v)
+
+    def samples(registry: CollectorRegistry) -> dict[tuple[str, str], float]:
+        return {
+            (s.name, s.labels.get("le", "")): s.value
+            for family in registry.collect()
+            for s in family.samples
+            if not s.name.endswith("_created")
+        }
+
+    got, want = samples(registries[0]), samples(registries[1])
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        if key[0].endswith("_sum"):  # n x v against v added n times: float64 rounding of a sum of ~150 terms
+            assert got[key] == pytest.approx(value, rel=1e-12)
+        else:
+            assert got[key] == value, key

@@ -28,6 +28,7 @@ instance `scheduler_instance`.
 
 from __future__ import annotations
 
+import bisect
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -67,6 +68,21 @@ E2E_BUCKETS = (
 # Service-internal latencies: a hop is milliseconds, a whole request can take a minute.
 SERVICE_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 NATS_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+
+
+def observe_many(histogram: Histogram, amount: float, n: int) -> None:
+    """`histogram.observe(amount)` `n` times, at the cost of one: its bucket found by bisection and counted up
+    by `n`, its sum by `amount * n` (a delta's interval spread over its tokens is one value `n` times; a
+    Python loop over the buckets per token cost ~1 µs each). Uses the labelled child's value cells, which
+    prometheus_client has kept as `_sum` / `_buckets` / `_upper_bounds` since its histograms began; without
+    them (another version), it observes `n` times."""
+    buckets = getattr(histogram, "_buckets", None)
+    if buckets is None or n == 1 or amount != amount:  # NaN: let observe() do what it does with it
+        for _ in range(n):
+            histogram.observe(amount)
+        return
+    histogram._sum.inc(amount * n)  # type: ignore[attr-defined]
+    buckets[bisect.bisect_left(histogram._upper_bounds, amount)].inc(n)  # type: ignore[attr-defined]
 
 
 def new_registry() -> CollectorRegistry:
@@ -216,9 +232,7 @@ class SchedulerMetrics:
             self._totals.generated += n
         if interval_s is not None and n > 0:
             # Like SGLang: the interval spread evenly over the tokens it delivered.
-            per_token = interval_s / n
-            for _ in range(n):
-                self.itl.observe(per_token)
+            observe_many(self.itl, interval_s / n, n)
 
     def on_finished(self, e2e_s: float, finish_reason: str | None) -> None:
         """A request ended: normally, by a limit, or aborted."""
@@ -578,9 +592,7 @@ class GatewayRequestMetrics:
             self.ttft_s = now - self._start
             self._ttft.observe(self.ttft_s)
         else:
-            per_token = (now - self._last_token) / n
-            for _ in range(n):
-                self._itl.observe(per_token)
+            observe_many(self._itl, (now - self._last_token) / n, n)
         self._last_token = now
         self._tokens.inc(n)
 
