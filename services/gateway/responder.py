@@ -122,6 +122,11 @@ async def _sse_stream(
         log.exception("stream failed")
         status = 500
         tail.append(sse(error_body(KubesglError("internal error"))))
+    except (
+        BaseException
+    ):  # cancelled (the client went away): a loop turn may not write staged events after it
+        writer.abandon()
+        raise
     finally:
         # Runs on a client disconnect too (the task is cancelled): free the request's pages at once.
         _close(group, scope, status)

@@ -76,6 +76,12 @@ class SseWriter(Generic[T]):
         self._queue(piece)
         await self._drain(more=False)
 
+    def abandon(self) -> None:
+        """The response ends without its last piece (its task was cancelled): nothing more is written."""
+        self._ended = True
+        self._staged.clear()
+        self._pending.clear()
+
     def _queue(self, piece: bytes) -> None:
         if self._staged:  # what add staged came first
             staged, self._staged = self._staged, []

@@ -65,6 +65,17 @@ async def test_items_added_in_one_turn_go_out_as_one_rendered_write_and_their_to
     assert len(send.messages) == 3
 
 
+async def test_an_abandoned_writer_writes_nothing_more() -> None:
+    send = SlowSend()
+    w: SseWriter[str] = SseWriter(send, _render)
+    w.add("a", 1)
+    w.abandon()  # before the loop turned
+    w.add("b", 1)
+    await _turn()
+    await w.end(b"E")
+    assert send.messages == []
+
+
 async def test_a_write_from_the_task_goes_after_what_was_added_before_it() -> None:
     send = SlowSend()
     w: SseWriter[str] = SseWriter(send, _render)
