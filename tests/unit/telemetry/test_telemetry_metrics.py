@@ -10,6 +10,7 @@ from kubesgl.runtime.telemetry.metrics import (
     DetokenizerMetrics,
     DisaggregationMetrics,
     GatewayMetrics,
+    HistogramTally,
     NatsMetrics,
     SchedulerMetrics,
     StageMetrics,
@@ -117,6 +118,29 @@ def test_scheduler_histograms_use_sglang_names_and_buckets_from_1ms() -> None:
     assert bucket_bounds(registry, "sglang:time_to_first_token_seconds") == SGLANG_TTFT
     assert bucket_bounds(registry, "sglang:inter_token_latency_seconds") == SGLANG_ITL
     assert bucket_bounds(registry, "sglang:e2e_request_latency_seconds") == SGLANG_E2E
+
+
+def test_a_steps_tokens_recorded_together_equal_them_recorded_one_request_at_a_time() -> None:
+    rng = random.Random(3)
+    step = [(rng.randint(1, 4), rng.choice([None, rng.uniform(0.001, 0.05)])) for _ in range(64)]
+    together, one_by_one = scheduler(), scheduler()
+    together[1].on_step_tokens(step)
+    for n, interval in step:
+        one_by_one[1].on_tokens(n, interval)
+    names = ("sglang:generation_tokens_total", "sglang:inter_token_latency_seconds")
+
+    def samples(registry: CollectorRegistry) -> dict[tuple[str, str], float]:
+        return {
+            (s.name, s.labels.get("le", "")): s.value
+            for family in registry.collect()
+            for s in family.samples
+            if s.name.startswith(names) and not s.name.endswith("_created")
+        }
+
+    got, want = samples(together[0]), samples(one_by_one[0])
+    assert got.keys() == want.keys() and len(want) > 3
+    for key, value in want.items():
+        assert got[key] == (pytest.approx(value, rel=1e-12) if key[0].endswith("_sum") else value), key
 
 
 def test_cache_config_info_names_page_size_and_pages() -> None:
@@ -338,8 +362,9 @@ def test_no_metric_label_collides_with_a_scrape_target_label() -> None:
         assert not names & RESERVED_LABELS, (name, names & RESERVED_LABELS)
 
 
+@pytest.mark.parametrize("tally", [False, True], ids=["observe_many", "HistogramTally"])
 @pytest.mark.parametrize("labelled", [False, True])
-def test_observe_many_gives_the_exposition_of_observing_n_times(labelled: bool) -> None:
+def test_observe_many_gives_the_exposition_of_observing_n_times(labelled: bool, tally: bool) -> None:
     rng = random.Random(7)
     bounds = (0.001, 0.002, 0.004, 0.01, 0.1, 1.0)
     registries = (CollectorRegistry(), CollectorRegistry())
@@ -351,11 +376,16 @@ def test_observe_many_gives_the_exposition_of_observing_n_times(labelled: bool) 
     many, one_by_one = make(registries[0]), make(registries[1])
     # Values on the bounds too (le is inclusive), and above the last one (+Inf).
     values = [*bounds, 0.0, 5.0, *(rng.uniform(0, 0.02) for _ in range(50))]
+    gathered = HistogramTally(many)
     for v in values:
         n = rng.randint(1, 5)
-        observe_many(many, v, n)
+        if tally:
+            gathered.add(v, n)
+        else:
+            observe_many(many, v, n)
         for _ in range(n):
             one_by_one.observe(v)
+    gathered.flush()
 
     def samples(registry: CollectorRegistry) -> dict[tuple[str, str], float]:
         return {

@@ -115,6 +115,7 @@ class SchedulerTelemetry:
         and on_step_start is not called here."""
         now_s, now_ns = self._clock(), time.time_ns()
         parents: dict[str, str | None] = {}
+        tokens: list[tuple[int, float | None]] = []  # the step's, per request: recorded together
         with self._lock:
             if step_start_ns is not None:
                 self._step_start_ns = step_start_ns
@@ -123,11 +124,12 @@ class SchedulerTelemetry:
                 if t is None:
                     continue
                 if out.new_token_ids:
-                    self._on_tokens(out, t, now_s, now_ns)
+                    tokens.append(self._on_tokens(out, t, now_s, now_ns))
                 parents[out.rid] = t.current_traceparent
                 if out.finished:
                     del self._requests[out.rid]
                     self._finish(t, out.finish_reason, out.completion_tokens, now_s, now_ns)
+        self.metrics.on_step_tokens(tokens)
         return parents
 
     def on_abort(self, rid: str) -> None:
@@ -233,13 +235,16 @@ class SchedulerTelemetry:
         if self._stats_log is not None:
             self._stats_log.observe(stats)
 
-    def _on_tokens(self, out: RequestOutput, t: _Timeline, now_s: float, now_ns: int) -> None:
+    def _on_tokens(
+        self, out: RequestOutput, t: _Timeline, now_s: float, now_ns: int
+    ) -> tuple[int, float | None]:
+        """Times the request's new tokens; returns their count and interval for SchedulerMetrics.on_step_tokens."""
         n = len(out.new_token_ids)
+        interval_s: float | None = None
         if t.decoding:
-            self.metrics.on_tokens(n, now_s - t.last_token_s)
+            interval_s = now_s - t.last_token_s
         else:
             self.metrics.on_first_token(now_s - t.arrival_s, out.prompt_tokens, out.cached_tokens)
-            self.metrics.on_tokens(n, None)
             if t.asked_ns is not None:  # prefilled by another instance, whose span it is
                 t.current.end(end_time=t.asked_ns)
             else:
@@ -258,6 +263,7 @@ class SchedulerTelemetry:
             t.current_traceparent = traceparent(t.current)
             t.decoding = True
         t.last_token_s = now_s
+        return n, interval_s
 
     def _finish(
         self,
