@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
@@ -214,6 +215,68 @@ async def test_out_of_order_and_duplicate_deltas_reach_the_client_in_order(gatew
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == "abcd"
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+async def test_a_client_that_stops_reading_gets_every_byte_in_order_once_it_reads_again(
+    gateway, mesh
+) -> None:
+    # The client's socket takes a few KB and it reads nothing while 12 MB of deltas arrive: the gateway's kernel
+    # buffer fills, uvicorn pauses its writer and a write waits (SseWriter hands it to a task), and every delta
+    # that comes meanwhile queues behind it. Once the client reads, all of it arrives, in order.
+    mesh.plan = lambda req: []
+    texts = [f"<{i:05d}>" + "x" * 3993 for i in range(3000)]
+    host, port = gateway.url.removeprefix("http://").split(":")
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
+    reader, writer = await asyncio.open_connection(sock=sock, limit=4096)
+    body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 5000, "stream": True}).encode()
+    writer.write(
+        b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    await writer.drain()
+    asked = len(mesh.requests)
+    await wait_until_async(lambda: len(mesh.requests) > asked, "the request reached the mesh")
+    req = mesh.requests[-1]
+    subject = gateway_subject(req.gateway_id)
+    for start in range(0, len(texts), 10):  # NATS messages of 10 deltas (40 KB), as a detokenizer batches
+        batch = [_delta(req.rid, mesh.instance, i, texts[i]) for i in range(start, start + 10)]
+        await mesh.nc.publish(subject, TextDeltaBatch(batch).to_bytes())
+    last = _delta(req.rid, mesh.instance, len(texts), "end", finished=True)
+    await mesh.nc.publish(subject, last.to_bytes())
+    await mesh.nc.flush()
+    await asyncio.sleep(1.0)  # the gateway takes every delta while the client still reads nothing
+    raw = await asyncio.wait_for(_read_until_done(reader), 60)
+    writer.close()
+    events = [line[6:] for line in _dechunked(raw).decode().split("\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    text = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
+    assert text == "".join(texts) + "end"
+
+
+def _dechunked(raw: bytes) -> bytes:
+    """An HTTP/1.1 response's body, from its chunked transfer encoding."""
+    _, _, rest = raw.partition(b"\r\n\r\n")
+    body = bytearray()
+    while True:
+        size_line, _, rest = rest.partition(b"\r\n")
+        size = int(size_line, 16)
+        if size == 0:
+            return bytes(body)
+        body += rest[:size]
+        rest = rest[size + 2 :]
+
+
+async def _read_until_done(reader: asyncio.StreamReader) -> bytes:
+    out = bytearray()
+    while not out.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n"):
+        chunk = await reader.read(1 << 16)
+        if not chunk:
+            break
+        out += chunk
+    return bytes(out)
 
 
 async def test_deltas_queued_while_a_stream_writes_go_out_as_one_chunk_and_a_later_one_alone(
