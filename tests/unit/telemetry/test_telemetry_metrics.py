@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 import re
 
 import pytest
+from kubesgl.runtime.telemetry import metrics as metrics_module
 from kubesgl.runtime.telemetry.metrics import (
     DetokenizerMetrics,
     DisaggregationMetrics,
@@ -306,6 +308,54 @@ def test_gateway_request_records_ttft_itl_and_status_once() -> None:
     assert registry.get_sample_value("kubesgl_gateway_requests_total", {**route, "status": "200"}) == 1
     assert registry.get_sample_value("kubesgl_gateway_requests_total", {**route, "status": "500"}) is None
     assert registry.get_sample_value("kubesgl_gateway_request_duration_seconds_count", route) == 1
+
+
+async def test_gateway_tokens_of_a_loop_turn_are_counted_together_when_it_ends(monkeypatch) -> None:
+    """In an event loop the token counter and ITL histogram take a turn's tokens when it ends; the exposition
+    then equals counting each at once (as outside a loop). The time to first token is observed at once."""
+    clock = [100.0]
+    monkeypatch.setattr(metrics_module.time, "perf_counter", lambda: clock[0])
+    rng = random.Random(5)
+    in_loop, direct = CollectorRegistry(), CollectorRegistry()
+    a, b = GatewayMetrics(in_loop), GatewayMetrics(direct)
+    pairs = [
+        (a.request(f"m{i % 2}", "/v1/completions"), b.request(f"m{i % 2}", "/v1/completions"))
+        for i in range(8)
+    ]
+    plan = [[rng.randint(1, 3) for _ in pairs] for _ in range(3)]
+    tokens = {"model": "m0"}
+    for turn, counts in enumerate(plan):
+        clock[0] += rng.uniform(0.001, 0.05)
+        for (ra, _), n in zip(pairs, counts, strict=True):
+            ra.on_tokens(n)
+        ttft = in_loop.get_sample_value("kubesgl_gateway_time_to_first_token_seconds_count", tokens)
+        assert ttft == 4  # at once
+        before = in_loop.get_sample_value("kubesgl_gateway_completion_tokens_total", tokens)
+        assert before == sum(n for c in plan[:turn] for n in c[::2])  # this turn's: not yet
+        await asyncio.sleep(0)  # the turn ends
+        assert in_loop.get_sample_value("kubesgl_gateway_completion_tokens_total", tokens) == sum(
+            n for c in plan[: turn + 1] for n in c[::2]
+        )
+
+        def outside_the_loop(counts: list[int] = counts) -> None:
+            for (_, rb), n in zip(pairs, counts, strict=True):
+                rb.on_tokens(n)
+
+        await asyncio.to_thread(outside_the_loop)
+
+    def samples(registry: CollectorRegistry) -> dict[tuple[str, str, str], float]:
+        return {
+            (s.name, s.labels.get("model", ""), s.labels.get("le", "")): s.value
+            for family in registry.collect()
+            for s in family.samples
+            if s.name.startswith(("kubesgl_gateway_completion_tokens", "kubesgl_gateway_inter_token"))
+            and not s.name.endswith("_created")
+        }
+
+    got, want = samples(in_loop), samples(direct)
+    assert got.keys() == want.keys() and len(want) > 4
+    for key, value in want.items():  # a sum of ~50 float64 terms, in another order
+        assert got[key] == (pytest.approx(value, rel=1e-12) if key[0].endswith("_sum") else value), key
 
 
 def test_render_serves_prometheus_text_with_process_metrics() -> None:

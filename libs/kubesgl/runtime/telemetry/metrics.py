@@ -28,11 +28,14 @@ instance `scheduler_instance`.
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from typing import ClassVar
 
 from prometheus_client import (
     CONTENT_TYPE_PLAIN_0_0_4,
@@ -77,7 +80,7 @@ def observe_many(histogram: Histogram, amount: float, n: int) -> None:
     prometheus_client has kept as `_sum` / `_buckets` / `_upper_bounds` since its histograms began; without
     them (another version), it observes `n` times."""
     buckets = getattr(histogram, "_buckets", None)
-    if buckets is None or n == 1 or amount != amount:  # NaN: let observe() do what it does with it
+    if buckets is None or amount != amount:  # NaN: let observe() do what it does with it
         for _ in range(n):
             histogram.observe(amount)
         return
@@ -608,6 +611,50 @@ class MigrationMetrics:
             self._seconds.observe(seconds)
 
 
+class _TurnTokens:
+    """The tokens the gateway's streams sent in one turn of its event loop: added to their counters and ITL
+    histograms in one step when the turn ends (a callback the first of them schedules), where a write each
+    took three locked increments."""
+
+    _by_loop: ClassVar[weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _TurnTokens]] = (
+        weakref.WeakKeyDictionary()
+    )
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._counts: dict[Counter, int] = {}
+        self._tallies: dict[Histogram, HistogramTally] = {}
+
+    @classmethod
+    def current(cls) -> _TurnTokens | None:
+        """This loop turn's, scheduled to flush when the turn ends; None outside an event loop."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return None
+        turn = cls._by_loop.get(loop)
+        if turn is None:
+            turn = cls._by_loop[loop] = cls(loop)
+            loop.call_soon(turn._flush)
+        return turn
+
+    def count(self, counter: Counter, n: int) -> None:
+        self._counts[counter] = self._counts.get(counter, 0) + n
+
+    def observe(self, histogram: Histogram, amount: float, n: int) -> None:
+        tally = self._tallies.get(histogram)
+        if tally is None:
+            tally = self._tallies[histogram] = HistogramTally(histogram)
+        tally.add(amount, n)
+
+    def _flush(self) -> None:
+        self._by_loop.pop(self._loop, None)
+        for counter, n in self._counts.items():
+            counter.inc(n)
+        for tally in self._tallies.values():
+            tally.flush()
+
+
 class GatewayRequestMetrics:
     """One HTTP request's timer: in flight from creation until finish(). Its labelled series are looked up
     once here, not per token (a labels() call cost more than the observation it selects)."""
@@ -628,18 +675,28 @@ class GatewayRequestMetrics:
         metrics._in_flight.labels(model=model).inc()
 
     def on_tokens(self, n: int) -> None:
-        """`n` new tokens were sent to the client (the first call is the time to first token)."""
+        """`n` new tokens were sent to the client (the first call is the time to first token). Inside an event
+        loop the token counter and the ITL histogram take each loop turn's tokens, of every stream, together
+        (_TurnTokens); the time to first token is observed at once."""
         if n <= 0:
             return
         now = time.perf_counter()
         self.tokens += n
+        turn = _TurnTokens.current()
         if self._last_token is None:
             self.ttft_s = now - self._start
             self._ttft.observe(self.ttft_s)
-        else:
+            if turn is None:
+                self._tokens.inc(n)
+            else:
+                turn.count(self._tokens, n)
+        elif turn is None:
             observe_many(self._itl, (now - self._last_token) / n, n)
+            self._tokens.inc(n)
+        else:
+            turn.count(self._tokens, n)
+            turn.observe(self._itl, (now - self._last_token) / n, n)
         self._last_token = now
-        self._tokens.inc(n)
 
     def on_answer(self, n: int) -> None:
         """A non-streamed answer carried `n` tokens: counted, but no time to first token (its first token
