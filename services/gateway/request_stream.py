@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from kubesgl.errors import KubesglError
 from kubesgl.protocol import ErrorInfo, TextDelta
-from kubesgl.services.gateway.loop_local import LoopLocal
+from kubesgl.runtime.loop_local import LoopLocal
 
 TICK_S = 0.5  # how often a waiting stream is woken with nothing, for its caller's periodic checks
 
@@ -41,7 +41,7 @@ class _Ticker:
                 stream.wake()
 
 
-_tickers = LoopLocal(lambda loop: _Ticker())
+_tickers = LoopLocal(_Ticker)
 
 
 class RequestStream:

@@ -18,7 +18,7 @@ import logging
 from collections.abc import Callable, Coroutine
 from typing import Any, Generic, TypeVar
 
-from kubesgl.services.gateway.loop_local import LoopLocal
+from kubesgl.runtime.loop_local import LoopLocal
 from starlette.types import Message, Send
 
 log = logging.getLogger("kubesgl.gateway")
@@ -178,13 +178,12 @@ async def _resume(coro: Coroutine[Any, Any, None], waits_on: Any) -> None:
 class _Flusher:
     """One per event loop: the writers with pending bytes, flushed together on the loop's next turn."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
+    def __init__(self) -> None:
         self._dirty: list[SseWriter[Any]] = []
 
     def schedule(self, writer: SseWriter[Any]) -> None:
         if not self._dirty:
-            self._loop.call_soon(self._run)
+            asyncio.get_running_loop().call_soon(self._run)
         self._dirty.append(writer)
 
     def _run(self) -> None:

@@ -32,10 +32,8 @@ import asyncio
 import bisect
 import threading
 import time
-import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import ClassVar
 
 from prometheus_client import (
     CONTENT_TYPE_PLAIN_0_0_4,
@@ -51,6 +49,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 
+from kubesgl.runtime.loop_local import LoopLocal
 from kubesgl.values.outputs import EngineStats
 
 # SGLang's default buckets (python/sglang/srt/metrics/collector.py, TokenizerMetricsCollector), with finer
@@ -73,26 +72,12 @@ SERVICE_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 NATS_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 
 
-def observe_many(histogram: Histogram, amount: float, n: int) -> None:
-    """`histogram.observe(amount)` `n` times, at the cost of one: its bucket found by bisection and counted up
-    by `n`, its sum by `amount * n` (a delta's interval spread over its tokens is one value `n` times; a
-    Python loop over the buckets per token cost ~1 µs each). Uses the labelled child's value cells, which
-    prometheus_client has kept as `_sum` / `_buckets` / `_upper_bounds` since its histograms began; without
-    them (another version), it observes `n` times."""
-    buckets = getattr(histogram, "_buckets", None)
-    if buckets is None or amount != amount:  # NaN: let observe() do what it does with it
-        for _ in range(n):
-            histogram.observe(amount)
-        return
-    histogram._sum.inc(amount * n)  # type: ignore[attr-defined]
-    buckets[bisect.bisect_left(histogram._upper_bounds, amount)].inc(n)  # type: ignore[attr-defined]
-
-
 class HistogramTally:
     """Observations of one histogram gathered without a lock (a bisection and a dict entry each) and added in one
     step by `flush`: one increment per bucket used and one for the sum, where observing each took three locked
-    increments and a Python loop over the buckets. Same cells as observe_many; without them, `flush` observes
-    each value."""
+    increments and a Python loop over the buckets. It writes the labelled child's value cells, which
+    prometheus_client has kept as `_sum` / `_buckets` / `_upper_bounds` since its histograms began; without
+    them (another version), or for a NaN, `flush` observes each value."""
 
     def __init__(self, histogram: Histogram) -> None:
         self._histogram = histogram
@@ -118,7 +103,8 @@ class HistogramTally:
             for i, n in self._counts.items():
                 buckets[i].inc(n)
         for amount, n in self._values:
-            observe_many(h, amount, n)
+            for _ in range(n):
+                h.observe(amount)
         self._counts, self._sum, self._values = {}, 0.0, []
 
 
@@ -612,33 +598,19 @@ class MigrationMetrics:
 
 
 class _TurnTokens:
-    """The tokens the gateway's streams sent in one turn of its event loop: added to their counters and ITL
-    histograms in one step when the turn ends (a callback the first of them schedules), where a write each
-    took three locked increments."""
+    """The tokens the gateway's streams sent in one turn of its event loop, added to their counters and ITL
+    histograms in one step when the turn ends (where a write each took three locked increments): the turn's
+    first `count` schedules the flush. One per loop (`_turns`); outside a loop, `_TurnTokens(deferred=False)`
+    is flushed by its user at once."""
 
-    _by_loop: ClassVar[weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _TurnTokens]] = (
-        weakref.WeakKeyDictionary()
-    )
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
+    def __init__(self, deferred: bool = True) -> None:
+        self.deferred = deferred
         self._counts: dict[Counter, int] = {}
         self._tallies: dict[Histogram, HistogramTally] = {}
 
-    @classmethod
-    def current(cls) -> _TurnTokens | None:
-        """This loop turn's, scheduled to flush when the turn ends; None outside an event loop."""
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            return None
-        turn = cls._by_loop.get(loop)
-        if turn is None:
-            turn = cls._by_loop[loop] = cls(loop)
-            loop.call_soon(turn._flush)
-        return turn
-
     def count(self, counter: Counter, n: int) -> None:
+        if not self._counts and self.deferred:  # the turn's first: flush when it ends
+            asyncio.get_running_loop().call_soon(self.flush)
         self._counts[counter] = self._counts.get(counter, 0) + n
 
     def observe(self, histogram: Histogram, amount: float, n: int) -> None:
@@ -647,12 +619,15 @@ class _TurnTokens:
             tally = self._tallies[histogram] = HistogramTally(histogram)
         tally.add(amount, n)
 
-    def _flush(self) -> None:
-        self._by_loop.pop(self._loop, None)
-        for counter, n in self._counts.items():
+    def flush(self) -> None:
+        counts, self._counts = self._counts, {}
+        for counter, n in counts.items():
             counter.inc(n)
         for tally in self._tallies.values():
             tally.flush()
+
+
+_turns = LoopLocal(_TurnTokens)
 
 
 class GatewayRequestMetrics:
@@ -675,28 +650,23 @@ class GatewayRequestMetrics:
         metrics._in_flight.labels(model=model).inc()
 
     def on_tokens(self, n: int) -> None:
-        """`n` new tokens were sent to the client (the first call is the time to first token). Inside an event
-        loop the token counter and the ITL histogram take each loop turn's tokens, of every stream, together
-        (_TurnTokens); the time to first token is observed at once."""
+        """`n` new tokens were sent to the client (the first call is the time to first token, observed at once).
+        The token counter and the ITL histogram take each loop turn's tokens, of every stream, together
+        (_TurnTokens); outside an event loop, at once."""
         if n <= 0:
             return
         now = time.perf_counter()
         self.tokens += n
-        turn = _TurnTokens.current()
+        turn = _turns.running() or _TurnTokens(deferred=False)
+        turn.count(self._tokens, n)
         if self._last_token is None:
             self.ttft_s = now - self._start
             self._ttft.observe(self.ttft_s)
-            if turn is None:
-                self._tokens.inc(n)
-            else:
-                turn.count(self._tokens, n)
-        elif turn is None:
-            observe_many(self._itl, (now - self._last_token) / n, n)
-            self._tokens.inc(n)
         else:
-            turn.count(self._tokens, n)
             turn.observe(self._itl, (now - self._last_token) / n, n)
         self._last_token = now
+        if not turn.deferred:
+            turn.flush()
 
     def on_answer(self, n: int) -> None:
         """A non-streamed answer carried `n` tokens: counted, but no time to first token (its first token
