@@ -91,17 +91,17 @@ class ChoiceGeneration:
             self.bus.close(self._stream, abort=not self._finished)
             self._finished = True
 
-    def push_events(self, on_event: Callable[[ChoiceEvent], None]) -> bool:
+    def push_events(self, on_event: Callable[[ChoiceEvent], None]) -> None:
         """Hands the choice's events to `on_event` as their deltas arrive, in the bus's delivery, instead of
         through events() (which then wakes only for what ends the choice: its last delta, an error, the deadline,
-        a lost instance). Only for a choice without stop strings, whose events never end it early; returns
-        whether it took effect. A delta that arrives while events() still holds undelivered ones goes through
-        events() too, so the order holds. Call it from events()'s consumer, before or between its events."""
+        a lost instance). `on_event` must not raise: it runs inside the delivery of every stream's deltas. Only
+        for a choice without stop strings, whose events never end it early (with stop strings, nothing changes).
+        A delta that arrives while events() still holds undelivered ones goes through events() too, so the
+        order holds. Call it from events()'s consumer, before or between its events."""
         if self.stops or self._stream is None:
-            return False
+            return
         self._on_event = on_event
         self._stream.set_sink(self._take_pushed)
-        return True
 
     def _take_pushed(self, delta: TextDelta) -> bool:
         """The stream's sink: takes a delta that neither ends the choice nor comes past the deadline."""
@@ -112,14 +112,11 @@ class ChoiceGeneration:
             return False  # events() raises the deadline
         event, _ = self._event(delta, self._stop_filter, self._tokens)
         self._last_output = now
-        try:
-            self._on_event(event)
-        except Exception as e:  # noqa: BLE001 - events() raises it in the stream's own task
-            self.fail_pushed(e)
+        self._on_event(event)
         return True
 
     def fail_pushed(self, error: Exception) -> None:
-        """What push_events' receiver could not take ends the choice with `error`, in events()."""
+        """Ends the choice with `error`, in events(): what push_events handed on could not be sent."""
         self._push_error, self._on_event = error, None
         if self._stream is not None:
             self._stream.set_sink(None)

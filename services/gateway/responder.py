@@ -99,17 +99,14 @@ async def _sse_stream(
         on_render_error=group.choices[0].fail_pushed,
     )
     try:
-        prelude = b"".join(sse(chunk) for chunk in encoder.prelude())
-        if prelude:
-            await writer.write(prelude)
+        await writer.write(b"".join(sse(chunk) for chunk in encoder.prelude()))
         if single:
             group.choices[0].push_events(lambda event: writer.add(event, len(event.token_ids)))
         async for event in group.events():
             if single and event.finish_reason is not None:
-                tail.append(
-                    _frames(encoder, event)
-                )  # the choice's last event: the stream ends right after it
-                writer.count(len(event.token_ids))  # timed as they go into the final write
+                # The choice's last event: it goes out with the end of the stream, its tokens timed then.
+                tail.append(_frames(encoder, event))
+                writer.count(len(event.token_ids))
                 continue
             await writer.write(_frames(encoder, event), len(event.token_ids))
         if include_usage:
@@ -122,10 +119,8 @@ async def _sse_stream(
         log.exception("stream failed")
         status = 500
         tail.append(sse(error_body(KubesglError("internal error"))))
-    except (
-        BaseException
-    ):  # cancelled (the client went away): a loop turn may not write staged events after it
-        writer.abandon()
+    except BaseException:
+        writer.abandon()  # cancelled (the client went away): no loop turn may write its staged events
         raise
     finally:
         # Runs on a client disconnect too (the task is cancelled): free the request's pages at once.
@@ -140,17 +135,15 @@ def _frames(encoder: Encoder, event: ChoiceEvent) -> bytes:
 
 # The server's own `send`, put in the scope by the outermost ASGI layer (KeepServerSend).
 SERVER_SEND = "kubesgl.server_send"
-# What the gateway's middlewares may be: each one's send wrapper looks at the response's start only, so an SSE
-# body's pieces may skip them (tests/unit/gateway pins the app's list to these, with their reasons).
-BODY_BLIND_MIDDLEWARES = ("AccessLog", "ApiKeyCheck", "BodySizeLimit")
 
 
 class KeepServerSend:
     """The outermost ASGI layer: keeps the server's `send` in the scope, so that an SSE body's pieces go straight
-    to it (ClosingStreamingResponse) instead of through every middleware's send wrapper: Starlette's error and
-    exception middlewares, FastAPI's body-limit middleware and the gateway's own (BODY_BLIND_MIDDLEWARES) only
-    look at the response's start, which still goes through all of them. Four wrappers were ~8 % of the gateway's
-    CPU per streamed token."""
+    to it (ClosingStreamingResponse) instead of through every middleware's send wrapper. Starlette's error and
+    exception middlewares, FastAPI's body-limit middleware and the gateway's own (AccessLog, ApiKeyCheck,
+    BodySizeLimit) look only at the response's start, which still goes through all of them
+    (tests/unit/gateway/test_sse_writer.py pins that list). Four wrappers were ~8 % of the gateway's CPU per
+    streamed token."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
