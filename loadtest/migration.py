@@ -3,11 +3,13 @@
 Starts the local stack (`kubesgl.launcher.Stack`: nats-server, two scheduler instances, one of each other
 service, the demo model on CPU), runs `--streams` concurrent streamed chat completions (half greedy, half seeded
 with top_p) once undisturbed, then the same requests again while the busiest scheduler instance is SIGKILLed
-once every stream has a few chunks. Prints and returns one JSON summary: streams kept (every text and usage
-count identical to the undisturbed run) and lost (an error, or a text or count that differs), how many moved
-(the gateway's counter), the gateway's migration time (death declared -> admitted elsewhere, p50/p99), and
-per pass each stream's longest pause between chunks and end-to-end time (p50/p99). tests/e2e/test_migration.py runs
-the same two passes at 64 streams and asserts nothing is lost.
+mid-stream: once every stream has output, the instance whose unfinished streams then lack the most tokens (read
+from the instances themselves at that moment, see `kill_busiest`), and only while they are provably far from
+done. Prints and returns one JSON summary: streams kept (every text and usage count identical to the undisturbed
+run) and lost (an error, or a text or count that differs), how many moved (the gateway's counter), the gateway's
+migration time (death declared -> admitted elsewhere, p50/p99), and per pass each stream's longest pause between
+chunks and end-to-end time (p50/p99). tests/e2e/test_migration.py runs the same two passes at 64 streams and
+asserts nothing is lost.
 
     .venv/bin/python loadtest/migration.py --streams 256
 """
@@ -23,11 +25,14 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
+import nats
 from kubesgl.launcher import DEMO, ServiceProcess, Stack, StackConfig, resolve_model
+from kubesgl.protocol import SchedulerStats, stats_subject
 
 SCHEDULER_ARGS = ("--device", "cpu", "--num-pages", "16384", "--drain-timeout", "10")
 
@@ -44,31 +49,46 @@ def request_body(i: int, max_tokens: int) -> dict[str, Any]:
     }
 
 
+@dataclass
+class Progress:
+    """What the client has seen of one stream so far."""
+
+    rid: str | None = None  # its response id: its rid on its scheduler instance too (one choice a request)
+    content_chunks: int = 0  # chunks with text: one carries one token or several (deltas coalesce under load)
+    done: bool = False
+
+
 async def stream_one(
-    client: httpx.AsyncClient, i: int, max_tokens: int, progress: list[int]
+    client: httpx.AsyncClient, i: int, max_tokens: int, progress: list[Progress]
 ) -> dict[str, Any]:
     """One streamed chat completion: its text, usage, response ids, finish reason, error event, timings."""
     text, ids, usage, finish, error = [], set(), None, None, None
+    seen = progress[i]
     start = last = time.monotonic()
     gap = 0.0
-    async with client.stream("POST", "/v1/chat/completions", json=request_body(i, max_tokens)) as resp:
-        if resp.status_code != 200:
-            return {"error": f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"}
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            now = time.monotonic()
-            gap, last = max(gap, now - last), now
-            event = json.loads(line[6:])
-            if "error" in event:
-                error = event["error"]
-                continue
-            ids.add(event["id"])
-            for choice in event.get("choices", []):
-                text.append(choice["delta"].get("content") or "")
-                finish = choice.get("finish_reason") or finish
-                progress[i] += 1
-            usage = event.get("usage") or usage
+    try:
+        async with client.stream("POST", "/v1/chat/completions", json=request_body(i, max_tokens)) as resp:
+            if resp.status_code != 200:
+                return {"error": f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"}
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                now = time.monotonic()
+                gap, last = max(gap, now - last), now
+                event = json.loads(line[6:])
+                if "error" in event:
+                    error = event["error"]
+                    continue
+                ids.add(event["id"])
+                seen.rid = seen.rid or event["id"]
+                for choice in event.get("choices", []):
+                    content = choice["delta"].get("content") or ""
+                    text.append(content)
+                    finish = choice.get("finish_reason") or finish
+                    seen.content_chunks += bool(content)
+                usage = event.get("usage") or usage
+    finally:
+        seen.done = True
     return {
         "text": "".join(text),
         "ids": ids,
@@ -80,35 +100,108 @@ async def stream_one(
     }
 
 
-def busiest_scheduler(stack: Stack) -> ServiceProcess:
-    def running(svc: ServiceProcess) -> float:
-        m = re.search(r"^sglang:num_running_reqs\{[^}]*\} (\S+)$", httpx.get(svc.metrics_url).text, re.M)
-        return float(m.group(1)) if m else 0.0
+GENERATED = re.compile(r"^sglang:generation_tokens_total\{[^}]*\} (\S+)$", re.M)
 
-    return max((s for s in stack.services.values() if s.kind == "scheduler"), key=running)
+
+def schedulers(stack: Stack) -> list[ServiceProcess]:
+    return [s for s in stack.services.values() if s.kind == "scheduler"]
+
+
+def generated_tokens(metrics: str) -> float:
+    """An instance's sglang:generation_tokens_total: every output token its service process has taken from its
+    engine, counted as each step's outputs arrive (before they join their streams: runtime/telemetry)."""
+    m = GENERATED.search(metrics)
+    assert m is not None, "no sglang:generation_tokens_total in a scheduler's /metrics"
+    return float(m.group(1))
+
+
+async def kill_busiest(
+    stack: Stack,
+    progress: list[Progress],
+    generated_before: dict[str, float],
+    max_tokens: int,
+    min_left: int,
+    timeout_s: float,
+) -> dict[str, Any]:
+    """SIGKILLs the scheduler instance whose unfinished streams are furthest from done, once every stream has
+    output, and only once one provably holds streams with tokens left; returns what it knew when it struck.
+
+    What it reads is each instance's own state at that moment, not the client's view (under load an instance's
+    deltas coalesce and lag its engine, so chunk counts say little of its progress) nor a gauge refreshed per
+    heartbeat (sglang:num_running_reqs, which reads 0 for an instance that has just admitted its streams and
+    non-zero for one that has just finished them): first the rids it holds unfinished (its stats reply:
+    a stream leaves it only once its final delta is acked, which needs all its tokens), then its generated-token
+    counter, which already holds every token those streams have (it counts a step's outputs before they join
+    their streams). Every stream runs to `max_tokens` (the undisturbed pass shows it; the disturbed one must
+    match it), so the client's streams that the instance holds still lack at least
+    `left = max_tokens * held - generated since the pass began` tokens, and one of them at least left / held.
+    It strikes only when that is >= `min_left`: that stream's final delta is then still `min_left` engine
+    steps away, more than the instant from that read to the signal. Fails after `timeout_s` or once every
+    stream is done, saying what it last saw."""
+    deadline = time.monotonic() + timeout_s
+    scheds = schedulers(stack)
+    last: dict[str, Any] = {"every stream has output": False}
+    nc = await nats.connect(stack.nats_url)
+    try:
+        async with httpx.AsyncClient(timeout=30) as http:
+
+            async def state(svc: ServiceProcess, ours: set[str]) -> tuple[int, float]:
+                reply = await nc.request(stats_subject(str(svc.instance_id)), b"", timeout=30)
+                held = len(ours.intersection(SchedulerStats.from_bytes(reply.data).active_rids))
+                generated = generated_tokens((await http.get(svc.metrics_url)).text)
+                return held, max_tokens * held - (generated - generated_before[svc.name])
+
+            while True:
+                if all(p.done for p in progress):
+                    raise AssertionError(f"every stream ended before the kill; last seen: {last}")
+                if time.monotonic() > deadline:
+                    raise AssertionError(
+                        f"no scheduler instance held streams with >= {min_left} tokens left within "
+                        f"{timeout_s:g} s; last seen: {last}"
+                    )
+                if all(p.content_chunks or p.done for p in progress):
+                    ours = {p.rid for p in progress if p.rid is not None and not p.done}
+                    states = await asyncio.gather(*(state(svc, ours) for svc in scheds))
+                    (held, left), victim = max(zip(states, scheds, strict=True), key=lambda x: x[0][1])
+                    last = {
+                        svc.name: {"held": h, "tokens_left": t}
+                        for (h, t), svc in zip(states, scheds, strict=True)
+                    }
+                    if held and left >= min_left * held:
+                        victim.proc.send_signal(signal.SIGKILL)
+                        return {"victim": victim.name, "held": held, "tokens_left": left, "seen": last}
+                await asyncio.sleep(0.05)
+    finally:
+        await nc.close()
 
 
 async def run_streams(
-    url: str, streams: int, max_tokens: int, kill: Stack | None = None, kill_after_chunks: int = 3
+    url: str,
+    streams: int,
+    max_tokens: int,
+    kill: Stack | None = None,
+    min_left: int | None = None,
+    kill_timeout_s: float = 60.0,
 ) -> list[dict[str, Any]]:
-    """`streams` concurrent streams; with `kill`, its busiest scheduler is SIGKILLed once every stream has
-    `kill_after_chunks` chunks (asserting that the streams were then still far from done)."""
-    progress = [0] * streams
+    """`streams` concurrent streams; with `kill`, its busiest scheduler is SIGKILLed mid-stream (kill_busiest:
+    once every stream has output, while that instance holds streams with `min_left` tokens left, by default a
+    quarter of `max_tokens`)."""
+    progress = [Progress() for _ in range(streams)]
     limits = httpx.Limits(max_connections=streams + 8)
+    if kill is not None:
+        before = {s.name: generated_tokens(httpx.get(s.metrics_url).text) for s in schedulers(kill)}
     async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as client:
         tasks = [asyncio.create_task(stream_one(client, i, max_tokens, progress)) for i in range(streams)]
-        if kill is not None:
-            while sum(p >= kill_after_chunks for p in progress) < streams and not all(
-                t.done() for t in tasks
-            ):
-                await asyncio.sleep(0.05)
-            busiest_scheduler(kill).proc.send_signal(signal.SIGKILL)
-            streamed = sum(progress)
-        results = await asyncio.gather(*tasks)
-    if kill is not None:
-        assert streamed < streams * (max_tokens - kill_after_chunks), (
-            "the kill came after the streams were done"
-        )
+        try:
+            if kill is not None:
+                left = max(1, max_tokens // 4) if min_left is None else min_left
+                struck = await kill_busiest(kill, progress, before, max_tokens, left, kill_timeout_s)
+                print(f"SIGKILLed {json.dumps(struck)}", file=sys.stderr)
+            results = await asyncio.gather(*tasks)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
     return results
 
 
@@ -204,7 +297,9 @@ def main() -> int:
         stack.wait_ready(300)
         url = stack.gateway_urls[0]
         undisturbed = asyncio.run(run_streams(url, args.streams, args.max_tokens))
-        disturbed = asyncio.run(run_streams(url, args.streams, args.max_tokens, kill=stack))
+        disturbed = asyncio.run(
+            run_streams(url, args.streams, args.max_tokens, kill=stack, kill_timeout_s=300)
+        )
         summary = summarize(stack, undisturbed, disturbed)
     finally:
         stack.stop(timeout_s=10)

@@ -1,6 +1,9 @@
 """Request migration, the done-when of issue 27: two scheduler instances, 64 concurrent streams (greedy and
-seeded), the busiest instance SIGKILLed mid-stream. Every stream completes, its text and usage counts identical
-to an undisturbed run of the same requests, its chunks under one id; the gateway counts the migrations.
+seeded), the busiest instance SIGKILLed mid-stream: once every stream has output, while it provably holds streams
+with a quarter of their tokens still to come (loadtest/migration.py's kill_busiest reads that from the instances
+themselves, so a loaded box, where one instance may finish its streams before the other's have a second chunk,
+cannot make the kill land on nothing). Every stream completes, its text and usage counts identical to an
+undisturbed run of the same requests, its chunks under one id; the gateway counts the migrations.
 The passes are loadtest/migration.py's (which measures the same at 256 streams for docs/reliability.md)."""
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 SCRIPT = Path(__file__).resolve().parents[2] / "loadtest" / "migration.py"
 STREAMS = 64
-MAX_TOKENS = 16
+MAX_TOKENS = 24  # decode steps enough that the victim's streams are still far from done at the kill
 
 
 @pytest.fixture(scope="module")
