@@ -104,7 +104,8 @@ case "$mode" in
           # SERVE_SCHED_ARGS="--stream-interval 2" measures SGLang's stream interval (default 1);
           # SERVE_GATEWAY_WORKERS=N runs each gateway as N processes on its port (--gateway-workers, default 1),
           # so g1 is one gateway pod of N workers (serve_cpu.txt lists each worker).
-          # SERVE_RUNS="1 2o 4" (default): gateways per run, "o" marks the run the offline engine follows.
+          # SERVE_RUNS="1 2o 4" (default): gateways per run, "o" marks the run the offline engine follows, "p" a
+          # run whose burst py-spy samples in the engine process (burst_engine.pyspy; its figures: serve_profiled.jsonl).
           # SERVE_SCHED_ARGS="--no-engine-process": the engine on a thread of the scheduler's service process (one GIL).
     M=${SERVE_MODEL:-/tmp/kubesgl-serve/Qwen3-0.6B}; G=4; DEV=${SERVE_DEVICE:-cuda}; P=${SERVE_PORT:-8000}
     W=${SERVE_WORKLOAD:---num-seqs 256 --min-input 100 --max-input 1024 --min-output 100 --max-output 1024}
@@ -119,13 +120,20 @@ case "$mode" in
     timeout 400 bash -c "for n in \$(seq 0 $((G - 1))); do python3 benchmark/wait_models.py http://127.0.0.1:\$(($P + n)) 150 || exit 1; done
       seed=1
       for run in ${SERVE_RUNS:-1 2o 4}; do
-        n=\${run%o}; urls=\$(seq -s, -f 'http://127.0.0.1:%.0f' $P \$(($P + n - 1))); offline=''
-        [ \$n = \$run ] || offline='--model $M --dummy-weight --device $DEV $KV'
+        n=\${run%[op]}; urls=\$(seq -s, -f 'http://127.0.0.1:%.0f' $P \$(($P + n - 1))); offline=''
+        [ \$n\o = \$run ] && offline='--model $M --dummy-weight --device $DEV $KV'
+        if [ \$n\p = \$run ]; then  # profiled: py-spy on the engine process over the burst, figures kept apart
+          eng=\$(pgrep -P \$(pgrep -f 'kubesgl.cli scheduler' | head -1) -f spawn_main | tail -1)
+          timeout 30 py-spy record --threads -d 10 -r 100 -f raw -o $OUT/burst_engine.pyspy -p \$eng > $OUT/burst_pyspy.log 2>&1 &
+          python3 -m kubesgl.cli bench serve $W --json $OUT/serve_profiled.jsonl --seed \$seed --url \$urls | tail -3
+          wait; seed=\$((seed + 1)); continue
+        fi
         $C g\$n >> $OUT/serve_cpu.jsonl
         python3 -m kubesgl.cli bench serve $W --json $OUT/serve.jsonl --seed \$seed --url \$urls \$offline
         $C g\$n >> $OUT/serve_cpu.jsonl; seed=\$((seed + 1))
       done" 2>&1 | grep -v Warn | tail -80 | tee "$OUT/serve.txt"
     python3 benchmark/service_cpu.py summary "$OUT/serve_cpu.jsonl" "$OUT/serve.jsonl" | tee "$OUT/serve_cpu.txt"
+    [ -f "$OUT/burst_engine.pyspy" ] && python3 benchmark/pyspy_top.py "$OUT/burst_engine.pyspy" 30 > "$OUT/burst_engine.top.txt"
     kill -INT $UP; wait $UP
     grep -E "Traceback|Error" "$OUT/serve_up.log" | head -5
     ;;
