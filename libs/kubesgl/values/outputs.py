@@ -45,6 +45,23 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob] | None = None
     error: KubesglError | None = None  # why a request ended with ABORT inside the engine (its grammar failed)
 
+    def __reduce__(self) -> tuple[type[RequestOutput], tuple[object, ...]]:
+        # Every step's outputs cross the engine process's pipe pickled (services/scheduler/engine_process.py):
+        # as the constructor's arguments they dump in 0.6x and load in 0.3x the time of the default (each
+        # object's __dict__), ~1 us per output token less between the two processes.
+        return RequestOutput, (
+            self.rid,
+            self.new_token_ids,
+            self.prompt_tokens,
+            self.cached_tokens,
+            self.completion_tokens,
+            self.finished,
+            self.finish_reason,
+            self.logprobs,
+            self.prompt_logprobs,
+            self.error,
+        )
+
 
 @dataclass(frozen=True)
 class ModelInfo:
