@@ -21,11 +21,28 @@ _DECODE_RUN = 10  # this many decode steps in a row end a burst's prefill phase
 
 
 def bursts(steps: list[dict[str, Any]], gap_s: float) -> list[list[dict[str, Any]]]:
+    """The timeline cut into prefill phases: from an extend step to the last extend before a pause of more than
+    `gap_s` or a run of _DECODE_RUN decode steps, plus the step after it (its start ends the last one's period).
+    A served engine runs a few decodes between arrivals; a burst's own decoding is hundreds of steps."""
     out: list[list[dict[str, Any]]] = []
+    first = last = None
+    decodes = 0
     for i, s in enumerate(steps):
-        if i == 0 or s["t"] - steps[i - 1]["t"] > gap_s:
-            out.append([])
-        out[-1].append(s)
+        if first is not None and s["t"] - steps[i - 1]["t"] > gap_s:
+            out.append(steps[first : last + 2])
+            first = None
+        if s["mode"] == "decode":
+            decodes += 1
+            if first is not None and decodes >= _DECODE_RUN:
+                out.append(steps[first : last + 2])
+                first = None
+            continue
+        decodes = 0
+        if first is None:
+            first = i
+        last = i
+    if first is not None:
+        out.append(steps[first : last + 2])
     return out
 
 
@@ -35,22 +52,12 @@ def ms_per_8k(steps: list[tuple[dict[str, Any], float]]) -> float | None:
     return 1e3 * sum(p for _, p in steps) * 8192 / tokens if tokens else None
 
 
-def summary(burst: list[dict[str, Any]]) -> dict[str, Any] | None:
+def summary(burst: list[dict[str, Any]], min_requests: int) -> dict[str, Any] | None:
     ext = [i for i, s in enumerate(burst) if s["mode"] != "decode"]
     big = [i for i in ext if burst[i]["tokens"] >= 256]
-    if not big or len(burst) < 2:
+    if not big or len(burst) < 2 or max(s["running"] + s["waiting"] for s in burst) < min_requests:
         return None
-    first = big[0]
-    # The burst's prefill phase: its extend steps from the first large one until a run of decode steps (a served
-    # engine runs a few decodes between arrivals; the burst's own decoding is hundreds).
-    last, decodes = first, 0
-    for i in range(first + 1, len(burst)):
-        if burst[i]["mode"] == "decode":
-            decodes += 1
-            if decodes >= _DECODE_RUN:
-                break
-        else:
-            last, decodes = i, 0
+    first, last = big[0], ext[-1]
     ext = [i for i in ext if first <= i <= last]
     t0 = burst[first]["t"]
     end = burst[last + 1]["t"] if last + 1 < len(burst) else burst[last]["t"]
@@ -87,11 +94,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("steps")
     p.add_argument("--gap", type=float, default=1.0, help="seconds without a step that end a burst")
+    p.add_argument("--min-requests", type=int, default=32, help="smaller phases are not bursts")
     args = p.parse_args()
     with open(args.steps, encoding="utf-8") as f:
         steps = sorted((json.loads(line) for line in f if line.strip()), key=lambda s: s["t"])
     for n, burst in enumerate(bursts(steps, args.gap)):
-        s = summary(burst)
+        s = summary(burst, args.min_requests)
         if s is None:
             continue
         fmt = {k: (round(v, 2) if isinstance(v, float) else v) for k, v in s.items()}
