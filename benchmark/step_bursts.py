@@ -3,7 +3,7 @@ when its prefills were done, and how fast its prefill steps ran while requests w
 after the last one arrived. A burst is a run of steps after a pause of more than `--gap` seconds; its prefill
 phase ends with its last extend step. Prints a table, asserts nothing.
 
-    python3 benchmark/step_bursts.py steps.jsonl [--gap 1.0]
+    python3 benchmark/step_bursts.py steps.jsonl[.gz] [--gap 1.0] [--min-requests 32]
 
 "arriving" counts the extend steps whose scheduler saw more requests (running + waiting) after them than after
 the step before; "after" the rest. A served burst reaches its engine over the client's send and the gateways'
@@ -13,6 +13,7 @@ per-request work, an offline one (LLM.generate on every request at once) all at 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import statistics
 from typing import Any
@@ -96,7 +97,7 @@ def main() -> None:
     p.add_argument("--gap", type=float, default=1.0, help="seconds without a step that end a burst")
     p.add_argument("--min-requests", type=int, default=32, help="smaller phases are not bursts")
     args = p.parse_args()
-    with open(args.steps, encoding="utf-8") as f:
+    with (gzip.open if args.steps.endswith(".gz") else open)(args.steps, "rt", encoding="utf-8") as f:
         steps = sorted((json.loads(line) for line in f if line.strip()), key=lambda s: s["t"])
     for n, burst in enumerate(bursts(steps, args.gap)):
         s = summary(burst, args.min_requests)
