@@ -25,7 +25,7 @@ class RequestScope:
         self.metrics = gw.metrics.request(label, endpoint, start=arrival.perf_s)
         self._span = gw.tracing.start_span(
             SPAN_GATEWAY_REQUEST,
-            parent=dict(request.headers),
+            parent=request.headers,  # a Mapping: read for the trace context only, not copied
             attributes={ATTR_MODEL: label, "http.route": endpoint},
             kind=SpanKind.SERVER,
             start_time_ns=arrival.unix_ns,

@@ -157,9 +157,10 @@ class KeepServerSend:
 class ClosingStreamingResponse(StreamingResponse):
     """An SSE response whose `body(send)` writes the body itself (through an SseWriter: StreamingResponse's
     iterator of pieces costs a task wake and an async-generator hop per piece), and that runs `on_close` however
-    it ends, even if its body never starts. StreamingResponse still listens for the client's disconnect, which
-    cancels `body`. The response's start goes through the middlewares' `send`, its body to the server's own
-    (KeepServerSend) where the app runs under it."""
+    it ends, even if its body never starts. The client's disconnect cancels `body` (as StreamingResponse does
+    under uvicorn's ASGI spec 2.3, but with one listener task instead of an anyio task group and its cancel
+    scope, a per-request cost). The response's start goes through the middlewares' `send`, its body to the
+    server's own (KeepServerSend) where the app runs under it."""
 
     def __init__(self, body: Callable[[Send], Awaitable[None]], on_close: Callable[[], None]) -> None:
         super().__init__(
@@ -173,10 +174,41 @@ class ClosingStreamingResponse(StreamingResponse):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         self._server_send = scope.get(SERVER_SEND)
         try:
-            await super().__call__(scope, receive, send)
+            await _until_client_leaves(self.stream_response(send), receive)
         finally:
             self._on_close()
 
     async def stream_response(self, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         await self._body(self._server_send or send)
+
+
+async def _until_client_leaves(body: Awaitable[None], receive: Receive) -> None:
+    """Runs `body` in this task while a task of its own reads `receive` for the client's disconnect, which
+    cancels `body`; a body cut short so returns normally (as StreamingResponse's task group does), any other
+    cancellation or error goes on."""
+    this = asyncio.current_task()
+    assert this is not None
+    ended = left = False
+
+    async def listen() -> None:
+        nonlocal left
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        if not ended:
+            left = True
+            this.cancel()
+
+    listener = asyncio.ensure_future(listen())
+    try:
+        await body
+    except asyncio.CancelledError:
+        # The client's leaving ends the response, not this task: that cancellation alone is taken back.
+        if not left or this.uncancel() > 0:
+            raise
+        return
+    finally:
+        ended = True
+        listener.cancel()
+    if left:  # the body took the cancellation and returned
+        this.uncancel()

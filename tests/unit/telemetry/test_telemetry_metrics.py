@@ -317,6 +317,39 @@ def test_gateway_request_records_ttft_itl_and_status_once() -> None:
     assert registry.get_sample_value("kubesgl_gateway_request_duration_seconds_count", route) == 1
 
 
+def test_gateway_requests_of_several_models_routes_and_statuses_keep_their_series_apart() -> None:
+    """The labelled children are looked up once per (model, route) and status: each request still lands in its own."""
+    registry = CollectorRegistry()
+    gw = GatewayMetrics(registry)
+    cases = [("a", "/v1/completions", 200), ("a", "/v1/chat/completions", 200), ("b", "/v1/completions", 400)]
+    cases += [("a", "/v1/completions", 499), ("a", "/v1/completions", 200), ("b", "/v1/completions", 200)]
+    open_ = [gw.request(m, r) for m, r, _ in cases]
+    assert registry.get_sample_value("kubesgl_gateway_requests_in_flight", {"model": "a"}) == 4
+    assert registry.get_sample_value("kubesgl_gateway_requests_in_flight", {"model": "b"}) == 2
+    for req, (_, _, status) in zip(open_, cases, strict=True):
+        req.on_tokens(2)
+        req.finish(status)
+    for (m, r, status), n in {
+        ("a", "/v1/completions", 200): 2,
+        ("a", "/v1/chat/completions", 200): 1,
+        ("b", "/v1/completions", 400): 1,
+        ("a", "/v1/completions", 499): 1,
+        ("b", "/v1/completions", 200): 1,
+    }.items():
+        labels = {"model": m, "route": r, "status": str(status)}
+        assert registry.get_sample_value("kubesgl_gateway_requests_total", labels) == n, labels
+    for m, n in (("a", 4), ("b", 2)):
+        assert registry.get_sample_value("kubesgl_gateway_requests_in_flight", {"model": m}) == 0
+        assert registry.get_sample_value("kubesgl_gateway_completion_tokens_total", {"model": m}) == 2 * n
+        assert (
+            registry.get_sample_value("kubesgl_gateway_time_to_first_token_seconds_count", {"model": m}) == n
+        )
+    duration = "kubesgl_gateway_request_duration_seconds_count"
+    assert registry.get_sample_value(duration, {"model": "a", "route": "/v1/completions"}) == 3
+    assert registry.get_sample_value(duration, {"model": "a", "route": "/v1/chat/completions"}) == 1
+    assert registry.get_sample_value(duration, {"model": "b", "route": "/v1/completions"}) == 2
+
+
 async def test_gateway_tokens_of_a_loop_turn_are_counted_together_when_it_ends(monkeypatch) -> None:
     """In an event loop the token counter and ITL histogram take a turn's tokens when it ends; the exposition
     then equals counting each at once (as outside a loop). The time to first token is observed at once."""

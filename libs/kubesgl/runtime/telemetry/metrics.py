@@ -34,6 +34,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 from prometheus_client import (
     CONTENT_TYPE_PLAIN_0_0_4,
@@ -538,6 +539,7 @@ class GatewayMetrics:
             registry=registry,
             multiprocess_mode="livesum",  # a multi-process gateway's pod: the sum over its live workers
         )
+        self._by_key: dict[tuple[str, str], _RequestSeries] = {}
         # Same buckets as the scheduler's sglang:* histograms so the two can be compared bucket by bucket.
         self._ttft = Histogram(
             "kubesgl_gateway_time_to_first_token_seconds",
@@ -566,6 +568,41 @@ class GatewayMetrics:
         client string would make label values unbounded); `endpoint` the route, e.g. "/v1/chat/completions";
         `start` the request's arrival (time.perf_counter(); default now)."""
         return GatewayRequestMetrics(self, model, endpoint, start)
+
+    def _series(self, key: tuple[str, str]) -> _RequestSeries:
+        """The labelled children a request of (model, route) writes, looked up once per label set: a labels()
+        call costs ~1 µs, seven a request. Bounded as the label values are (served models, routes)."""
+        series = self._by_key.get(key)
+        if series is None:
+            model, route = key
+            series = self._by_key[key] = _RequestSeries(
+                self._ttft.labels(model=model),
+                self._itl.labels(model=model),
+                self._tokens.labels(model=model),
+                self._in_flight.labels(model=model),
+                self._duration.labels(model=model, route=route),
+                {},
+            )
+        return series
+
+    def _requests_with(self, series: _RequestSeries, key: tuple[str, str], status: int) -> Counter:
+        counter = series.requests.get(status)
+        if counter is None:
+            model, route = key
+            counter = series.requests[status] = self._requests.labels(
+                model=model, route=route, status=str(status)
+            )
+        return counter
+
+
+@dataclass(frozen=True)
+class _RequestSeries:
+    ttft: Histogram
+    itl: Histogram
+    tokens: Counter
+    in_flight: Gauge
+    duration: Histogram
+    requests: dict[int, Counter]  # by status, filled as statuses occur
 
 
 class MigrationMetrics:
@@ -638,16 +675,15 @@ class GatewayRequestMetrics:
         self, metrics: GatewayMetrics, model: str, endpoint: str, start: float | None = None
     ) -> None:
         self._m = metrics
-        self._model, self._endpoint = model, endpoint
+        self._key = (model, endpoint)
         self._start = time.perf_counter() if start is None else start
         self._last_token: float | None = None
         self._finished = False
-        self._ttft = metrics._ttft.labels(model=model)
-        self._itl = metrics._itl.labels(model=model)
-        self._tokens = metrics._tokens.labels(model=model)
+        series = self._series = metrics._series(self._key)
+        self._ttft, self._itl, self._tokens = series.ttft, series.itl, series.tokens
         self.tokens = 0  # completion tokens sent so far
         self.ttft_s: float | None = None
-        metrics._in_flight.labels(model=model).inc()
+        series.in_flight.inc()
 
     def on_tokens(self, n: int) -> None:
         """`n` new tokens were sent to the client (the first call is the time to first token, observed at once).
@@ -680,10 +716,10 @@ class GatewayRequestMetrics:
         if self._finished:
             return
         self._finished = True
-        m = self._m
-        m._in_flight.labels(model=self._model).dec()
-        m._duration.labels(model=self._model, route=self._endpoint).observe(time.perf_counter() - self._start)
-        m._requests.labels(model=self._model, route=self._endpoint, status=str(status)).inc()
+        series = self._series
+        series.in_flight.dec()
+        series.duration.observe(time.perf_counter() - self._start)
+        self._m._requests_with(series, self._key, status).inc()
 
 
 class DisaggregationMetrics:
