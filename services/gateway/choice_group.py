@@ -33,19 +33,19 @@ class ChoiceGroup:
         return FORMATS.get(name) if name else None
 
     async def admit(self) -> None:
-        """Admits every choice; if any is refused, the others are aborted and the refusal raised."""
-        if len(self.choices) == 1:  # the common case, awaited in place: no task and no gather per request
-            try:
+        """Admits every choice; if any is refused, the others are aborted and the refusal raised. A single
+        choice (the common case) is awaited in place: no task and no gather per request."""
+        try:
+            if len(self.choices) == 1:
                 await self.choices[0].admit()
-            except BaseException:
-                self.close()
-                raise
-            return
-        results = await asyncio.gather(*(c.admit() for c in self.choices), return_exceptions=True)
-        failure = next((r for r in results if isinstance(r, BaseException)), None)
-        if failure is not None:
+            else:
+                results = await asyncio.gather(*(c.admit() for c in self.choices), return_exceptions=True)
+                failure = next((r for r in results if isinstance(r, BaseException)), None)
+                if failure is not None:
+                    raise failure
+        except BaseException:
             self.close()
-            raise failure
+            raise
 
     def close(self) -> None:
         for c in self.choices:

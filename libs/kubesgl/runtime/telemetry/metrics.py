@@ -34,7 +34,6 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 from prometheus_client import (
     CONTENT_TYPE_PLAIN_0_0_4,
@@ -569,40 +568,35 @@ class GatewayMetrics:
         `start` the request's arrival (time.perf_counter(); default now)."""
         return GatewayRequestMetrics(self, model, endpoint, start)
 
-    def _series(self, key: tuple[str, str]) -> _RequestSeries:
+    def _series(self, model: str, route: str) -> _RequestSeries:
         """The labelled children a request of (model, route) writes, looked up once per label set: a labels()
         call costs ~1 µs, seven a request. Bounded as the label values are (served models, routes)."""
-        series = self._by_key.get(key)
+        series = self._by_key.get((model, route))
         if series is None:
-            model, route = key
-            series = self._by_key[key] = _RequestSeries(
-                self._ttft.labels(model=model),
-                self._itl.labels(model=model),
-                self._tokens.labels(model=model),
-                self._in_flight.labels(model=model),
-                self._duration.labels(model=model, route=route),
-                {},
-            )
+            series = self._by_key[model, route] = _RequestSeries(self, model, route)
         return series
 
-    def _requests_with(self, series: _RequestSeries, key: tuple[str, str], status: int) -> Counter:
-        counter = series.requests.get(status)
+
+class _RequestSeries:
+    """One (model, route)'s labelled children; the requests counter's by status, as statuses occur."""
+
+    def __init__(self, m: GatewayMetrics, model: str, route: str) -> None:
+        self.ttft = m._ttft.labels(model=model)
+        self.itl = m._itl.labels(model=model)
+        self.tokens = m._tokens.labels(model=model)
+        self.in_flight = m._in_flight.labels(model=model)
+        self.duration = m._duration.labels(model=model, route=route)
+        self._requests = m._requests
+        self._model, self._route = model, route
+        self._by_status: dict[int, Counter] = {}
+
+    def requests(self, status: int) -> Counter:
+        counter = self._by_status.get(status)
         if counter is None:
-            model, route = key
-            counter = series.requests[status] = self._requests.labels(
-                model=model, route=route, status=str(status)
+            counter = self._by_status[status] = self._requests.labels(
+                model=self._model, route=self._route, status=str(status)
             )
         return counter
-
-
-@dataclass(frozen=True)
-class _RequestSeries:
-    ttft: Histogram
-    itl: Histogram
-    tokens: Counter
-    in_flight: Gauge
-    duration: Histogram
-    requests: dict[int, Counter]  # by status, filled as statuses occur
 
 
 class MigrationMetrics:
@@ -674,12 +668,10 @@ class GatewayRequestMetrics:
     def __init__(
         self, metrics: GatewayMetrics, model: str, endpoint: str, start: float | None = None
     ) -> None:
-        self._m = metrics
-        self._key = (model, endpoint)
         self._start = time.perf_counter() if start is None else start
         self._last_token: float | None = None
         self._finished = False
-        series = self._series = metrics._series(self._key)
+        series = self._series = metrics._series(model, endpoint)
         self._ttft, self._itl, self._tokens = series.ttft, series.itl, series.tokens
         self.tokens = 0  # completion tokens sent so far
         self.ttft_s: float | None = None
@@ -719,7 +711,7 @@ class GatewayRequestMetrics:
         series = self._series
         series.in_flight.dec()
         series.duration.observe(time.perf_counter() - self._start)
-        self._m._requests_with(series, self._key, status).inc()
+        series.requests(status).inc()
 
 
 class DisaggregationMetrics:
