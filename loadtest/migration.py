@@ -54,7 +54,7 @@ class Progress:
     """What the client has seen of one stream so far."""
 
     rid: str | None = None  # its response id: its rid on its scheduler instance too (one choice a request)
-    content_chunks: int = 0  # chunks with text: one carries one token or several (deltas coalesce under load)
+    has_output: bool = False  # a chunk with text came
     done: bool = False
 
 
@@ -85,7 +85,7 @@ async def stream_one(
                     content = choice["delta"].get("content") or ""
                     text.append(content)
                     finish = choice.get("finish_reason") or finish
-                    seen.content_chunks += bool(content)
+                    seen.has_output = seen.has_output or bool(content)
                 usage = event.get("usage") or usage
     finally:
         seen.done = True
@@ -159,7 +159,7 @@ async def kill_busiest(
                         f"no scheduler instance held streams with >= {min_left} tokens left within "
                         f"{timeout_s:g} s; last seen: {last}"
                     )
-                if all(p.content_chunks or p.done for p in progress):
+                if all(p.has_output or p.done for p in progress):
                     ours = {p.rid for p in progress if p.rid is not None and not p.done}
                     states = await asyncio.gather(*(state(svc, ours) for svc in scheds))
                     (held, left), victim = max(zip(states, scheds, strict=True), key=lambda x: x[0][1])
@@ -180,12 +180,10 @@ async def run_streams(
     streams: int,
     max_tokens: int,
     kill: Stack | None = None,
-    min_left: int | None = None,
     kill_timeout_s: float = 60.0,
 ) -> list[dict[str, Any]]:
     """`streams` concurrent streams; with `kill`, its busiest scheduler is SIGKILLed mid-stream (kill_busiest:
-    once every stream has output, while that instance holds streams with `min_left` tokens left, by default a
-    quarter of `max_tokens`)."""
+    once every stream has output, while that instance holds streams with a quarter of `max_tokens` left)."""
     progress = [Progress() for _ in range(streams)]
     limits = httpx.Limits(max_connections=streams + 8)
     if kill is not None:
@@ -194,8 +192,8 @@ async def run_streams(
         tasks = [asyncio.create_task(stream_one(client, i, max_tokens, progress)) for i in range(streams)]
         try:
             if kill is not None:
-                left = max(1, max_tokens // 4) if min_left is None else min_left
-                struck = await kill_busiest(kill, progress, before, max_tokens, left, kill_timeout_s)
+                min_left = max(1, max_tokens // 4)
+                struck = await kill_busiest(kill, progress, before, max_tokens, min_left, kill_timeout_s)
                 print(f"SIGKILLed {json.dumps(struck)}", file=sys.stderr)
             results = await asyncio.gather(*tasks)
         finally:
