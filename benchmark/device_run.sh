@@ -127,7 +127,7 @@ case "$mode" in
         [ \$n\o = \$run ] && offline='--model $M --dummy-weight --device $DEV $KV'
         if [ \$n\p = \$run ]; then  # profiled: py-spy on the engine process over the burst, figures kept apart
           command -v py-spy > /dev/null || echo 'no py-spy here: carry its wheel in .whl (device_wheels.sh)'
-          eng=\$(pgrep -P \$(pgrep -f 'kubesgl.cli scheduler' | head -1) -f spawn_main | tail -1)
+          eng=\$(pgrep -P \$(pgrep -f '[k]ubesgl.cli scheduler' | head -1) -f spawn_main | tail -1)
           timeout 30 py-spy record --threads -d 10 -r 100 -f raw -o $OUT/burst_engine.pyspy -p \$eng > $OUT/burst_pyspy.log 2>&1 &
           python3 -m kubesgl.cli bench serve $W --json $OUT/serve_profiled.jsonl --seed \$seed --url \$urls | tail -3
           wait; seed=\$((seed + 1)); continue
