@@ -220,11 +220,13 @@ case "$mode" in
     timeout 50 python3 -m pytest -q -p no:cacheprovider -m gpu --tb=short tests/unit/engine/test_torch_compile.py 2>&1 | tail -5
     python3 benchmark/compile_table.py "$OUT/compile25.jsonl" "$OUT/trace25.jsonl" | tee "$OUT/compile25.txt"
     ;;
-  exthost)  # an eager extend step's host time against its device time, by shape (benchmark/extend_host.py), PDL on
-            # (the default) and off (KUBESGL_DISABLE_PDL=1): is a small prefill step's ~14 ms the host's? ~1.5 min
-    for pdl in on off; do
-      env $([ $pdl = off ] && echo KUBESGL_DISABLE_PDL=1) timeout 150 python3 benchmark/extend_host.py --model Qwen3-0.6B \
-        --shapes 1x8,1x1000,16x512 --json "$OUT/exthost_$pdl.jsonl" 2>&1 | grep -v Warn | tee "$OUT/exthost_$pdl.txt"
+  exthost)  # an extend step's host time against its device time, by shape (benchmark/extend_host.py): eager, then
+            # through piecewise CUDA graphs (engine/piecewise_graph.py, up to 8192 tokens), after their GPU tests. ~3 min
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/unit/engine/test_piecewise_graph.py 2>&1 | tail -15 \
+      | tee "$OUT/pw_tests.txt"
+    for pw in 0 8192; do
+      timeout 150 python3 benchmark/extend_host.py --model Qwen3-0.6B --piecewise-cuda-graph-max-tokens $pw \
+        --shapes 1x8,1x1000,16x512,8x1024 --json "$OUT/exthost_pw$pw.jsonl" 2>&1 | grep -v Warn | tee "$OUT/exthost_pw$pw.txt"
     done
     ;;
   peers)  # Mini-SGLang on the same workload (benchmark/peers.sh; .gpu/minisgl carried) -> $OUT/peers.jsonl

@@ -93,6 +93,12 @@ def main() -> int:
     p.add_argument(
         "--cuda-graph-max-bs", type=int, default=0, help="decode graphs (no extend step uses them)"
     )
+    p.add_argument(
+        "--piecewise-cuda-graph-max-tokens",
+        type=int,
+        default=0,
+        help="extend steps of at most this many tokens replay piecewise graphs (0: every step eager)",
+    )
     p.add_argument("--json", default=None)
     args = p.parse_args()
 
@@ -107,8 +113,18 @@ def main() -> int:
         dummy_weight=dummy,
         page_size=args.page_size,
         cuda_graph_max_bs=args.cuda_graph_max_bs,
+        piecewise_cuda_graph_max_tokens=args.piecewise_cuda_graph_max_tokens,
     )
-    print(f"attention backend: {type(llm.engine.runner.attn).__name__}", flush=True)
+    pw = llm.engine.runner.prefill_graphs
+    print(
+        f"attention backend: {type(llm.engine.runner.attn).__name__}; piecewise graphs: "
+        + (
+            f"{len(pw.sizes)} buckets <= {pw.max_tokens}, captured in {pw.capture_seconds:.1f} s"
+            if pw
+            else "off"
+        ),
+        flush=True,
+    )
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",") if s]
     print(f"{'rows x tokens':>14} {'host ms (median, min)':>22} {'device ms (median)':>19}")
     for rows, tokens in shapes:
@@ -124,6 +140,7 @@ def main() -> int:
             "device_ms": round(statistics.median(dev), 3),
             "model": args.model,
             "attn": type(llm.engine.runner.attn).__name__,
+            "piecewise_max_tokens": pw.max_tokens if pw else 0,
         }
         print(
             f"{rows:>6} x {tokens:<6} {line['host_ms']:>12.2f} {line['host_min_ms']:>8.2f} {line['device_ms']:>19.2f}"

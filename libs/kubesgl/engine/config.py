@@ -23,6 +23,10 @@ class EngineConfig:
     max_seq_len_override: int | None = None
     attn: str = "auto"  # "torch" | "triton" | "flashinfer" | "fa3" | "prefill,decode" | "auto"
     cuda_graph_max_bs: int | None = None  # None = auto, 0 = off
+    # SGLang's --piecewise-cuda-graph-max-tokens: extend steps of at most this many tokens replay piecewise CUDA
+    # graphs (engine/piecewise_graph.py; the forward captured between its attention kernels, per token bucket).
+    # 0 = off (every extend step eager); None = auto (max_prefill_tokens, on a GPU, dense models).
+    piecewise_cuda_graph_max_tokens: int | None = 0
     disable_overlap: bool = False
     # SGLang's --enable-torch-compile / --torch-compile-max-bs: decode batches of at most that many rows run the
     # forward compiled by Inductor (engine/compile.py), inside the decode CUDA graphs on a GPU.
@@ -58,6 +62,10 @@ class EngineConfig:
             (self.device in ("cpu", "cuda"), f"device must be 'cpu' or 'cuda', got {self.device!r}"),
             (self.num_pages is None or self.num_pages >= 1, "num_pages must be >= 1"),
             (self.torch_compile_max_bs >= 1, "torch_compile_max_bs must be >= 1"),
+            (
+                self.piecewise_cuda_graph_max_tokens is None or self.piecewise_cuda_graph_max_tokens >= 0,
+                "piecewise_cuda_graph_max_tokens must be >= 0",
+            ),
             (
                 not self.enable_torch_compile or self.tp_size == 1,
                 "enable_torch_compile needs tp_size 1 (the compiled forward has no collectives)",

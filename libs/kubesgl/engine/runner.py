@@ -23,6 +23,7 @@ from kubesgl.distributed import TPGroup
 from kubesgl.engine.compile import CompiledForward
 from kubesgl.engine.config import EngineConfig
 from kubesgl.engine.cuda_graph import DecodeGraphs, auto_max_bs
+from kubesgl.engine.piecewise_graph import PrefillGraphs, piecewise_applies
 from kubesgl.engine.plan import BatchPlan
 from kubesgl.engine.sampler import Sampler
 from kubesgl.engine.step_result import PendingSample, PromptLogprobs, StepResult
@@ -127,6 +128,14 @@ class ModelRunner:
                 pad_slot=slots,
                 compiled=self.compiled,
             )
+        self.prefill_graphs: PrefillGraphs | None = None
+        max_tokens = config.piecewise_cuda_graph_max_tokens
+        if max_tokens is None:
+            max_tokens = config.max_prefill_tokens if piecewise_applies(m) is None else 0
+        if self.device.type == "cuda" and max_tokens:
+            self.prefill_graphs = PrefillGraphs(
+                model=m, attn=self.attn, kv=self.kv, max_tokens=max_tokens, device=self.device
+            )
         if (
             self.compiled is not None
         ):  # the graphs' warm-up compiled their sizes; without graphs, first use does
@@ -143,7 +152,7 @@ class ModelRunner:
         is really free. The runner is unusable afterwards."""
         if self.device.type != "cuda":
             return
-        self.graphs = None
+        self.graphs = self.prefill_graphs = None
         for name in ("compiled", "model", "kv", "page_table", "token_pool", "sampler", "staging", "attn"):
             setattr(self, name, None)
         gc.collect()  # the graphs and the tensors they captured refer to each other
@@ -256,7 +265,10 @@ class ModelRunner:
             if compiled is not None and plan.mode == "decode" and compiled.accepts(len(plan.slots))
             else self.model.forward
         )
-        hidden = forward(ForwardBatch(plan.mode, input_ids, positions, out_loc, self.attn, self.kv))
+        fb = ForwardBatch(plan.mode, input_ids, positions, out_loc, self.attn, self.kv)
+        piecewise = self.prefill_graphs
+        size = piecewise.bucket(t) if piecewise is not None and plan.mode == "extend" else None
+        hidden = piecewise.run(fb, size) if size is not None else forward(fb)  # type: ignore[union-attr]
         prompt = (
             PromptLogprobs.compute(self.model.compute_logits, hidden, plan, ends - ext)
             if plan.prompt_logprobs

@@ -91,10 +91,12 @@ def qkv_prep(
     v_cache: torch.Tensor,
     num_q_heads: int,
     num_kv_heads: int,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """qkv [T, (q_heads + 2 * kv_heads) * D] -> q [T, q_heads, D]; k and v land in cache slots `out_loc`.
 
-    k_cache/v_cache: one layer's [slots, kv_heads, D] (any leading layout with dense slot rows).
+    k_cache/v_cache: one layer's [slots, kv_heads, D] (any leading layout with dense slot rows). `out`: a dense
+    [T, q_heads * D] tensor (e.g. a graph's static buffer) that q is written into and returned as, viewed.
     """
     half = cos.shape[-1]
     head_dim = 2 * half
@@ -108,7 +110,19 @@ def qkv_prep(
     has_norm = q_norm_weight is not None
     if has_norm != (k_norm_weight is not None):
         raise ValueError("q and k norms come together")
-    q = torch.empty((t, num_q_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    if out is None:
+        q = torch.empty((t, num_q_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    elif (
+        out.shape[0] != t
+        or out.numel() != t * num_q_heads * head_dim
+        or not out.is_contiguous()
+        or out.dtype != qkv.dtype
+    ):
+        raise ValueError(
+            f"out must be a dense [{t}, {num_q_heads * head_dim}] tensor, got {tuple(out.shape)}"
+        )
+    else:
+        q = out.view(t, num_q_heads, head_dim)
     if t == 0:
         return q
     block_d = triton.next_power_of_2(half)

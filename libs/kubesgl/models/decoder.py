@@ -80,8 +80,17 @@ class DecoderAttention(nn.Module):
 
     def attend(self, qkv: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         """From the fused qkv projection to the attention output: norms, RoPE, KV store, attention."""
-        prep = self._prep_fused if use_triton(qkv) else self._prep
-        return self.attn(prep(qkv, positions, fb), fb)
+        return self.attn(self.prep(qkv, positions, fb), fb)
+
+    def prep(
+        self, qkv: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """q/k norms, RoPE and the K/V store into the cache; returns q [T, heads * head_dim], written into
+        `out` (a dense tensor of that shape) when given."""
+        if use_triton(qkv):
+            return self._prep_fused(qkv, positions, fb, out)
+        q = self._prep(qkv, positions, fb)
+        return q if out is None else out.copy_(q)
 
     def _prep(self, qkv: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         """q/k norms and RoPE op by op (HF's arithmetic, bit for bit on CPU), K/V into the cache; returns q."""
@@ -93,7 +102,9 @@ class DecoderAttention(nn.Module):
         fb.kv.store(self.attn.layer_id, fb.out_loc, k.view(t, heads, d), v.view(t, heads, d))
         return q
 
-    def _prep_fused(self, qkv: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+    def _prep_fused(
+        self, qkv: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The same in one Triton kernel (`kernels/qkv_prep_triton.py`)."""
         from kubesgl.kernels.qkv_prep_triton import qkv_prep
 
@@ -112,6 +123,7 @@ class DecoderAttention(nn.Module):
             fb.kv.v_flat(layer),
             self.attn.num_heads,
             self.attn.num_kv_heads,
+            out,
         ).view(qkv.shape[0], -1)
 
 
@@ -157,6 +169,33 @@ class DecoderLayer(nn.Module):
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
+    # The layer in two pieces around its attention kernel, for the piecewise prefill graphs
+    # (engine/piecewise_graph.py): attention_input, then `self_attn.attn`, then attention_output is `forward`.
+    def attention_input(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        fb: ForwardBatch,
+        q_out: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The input norm, the qkv projection, q/k norms, RoPE and the K/V store: (q, residual); q is written
+        into `q_out` when given."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        attn = self.self_attn
+        return attn.prep(attn.qkv_proj(hidden), positions, fb, q_out), residual
+
+    def attention_output(
+        self, attn_out: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """o_proj, the residual norm and the MLP: (hidden, residual) for the next layer."""
+        hidden, residual = self.post_attention_layernorm(self.self_attn.o_proj(attn_out), residual)
+        return self.mlp(hidden), residual
+
 
 class DecoderModel(nn.Module):
     """Embedding, the layer stack and the final norm (HF's `model.` prefix)."""
@@ -174,6 +213,29 @@ class DecoderModel(nn.Module):
             hidden, residual = layer(fb.positions, hidden, residual, fb)
         out, _ = self.norm(hidden, residual)
         return out
+
+    def piece(
+        self,
+        i: int,
+        fb: ForwardBatch,
+        attn_out: torch.Tensor | None,
+        residual: torch.Tensor | None,
+        q_out: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`forward` cut at its attention kernels into len(layers) + 1 pieces (engine/piecewise_graph.py): piece
+        0 embeds and runs layer 0 up to its attention kernel; piece i (0 < i < L) finishes layer i - 1 from its
+        attention output and runs layer i up to its kernel; each returns (q of that layer, residual). Piece L
+        finishes the last layer and the final norm: (hidden [T, hidden_size], None). Run in order with
+        `layers[i].self_attn.attn` between them, they compute `forward`'s ops in its order."""
+        layers = self.layers
+        if i == 0:
+            return layers[0].attention_input(fb.positions, self.embed_tokens(fb.input_ids), None, fb, q_out)
+        assert attn_out is not None and residual is not None
+        hidden, residual = layers[i - 1].attention_output(attn_out, residual)
+        if i < len(layers):
+            return layers[i].attention_input(fb.positions, hidden, residual, fb, q_out)
+        out, _ = self.norm(hidden, residual)
+        return out, None
 
 
 MlpFactory = Callable[[Any, int, TPGroup], nn.Module]

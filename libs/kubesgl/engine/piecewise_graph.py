@@ -1,0 +1,169 @@
+"""Piecewise CUDA graphs for extend (prefill) steps: the forward cut at its attention kernels.
+
+An eager extend step pays the host for every op of every layer (Python, aten dispatch, a Triton or cuBLAS
+launch each) whatever its size: on the lent H100 an 8-token prefill of Qwen3-0.6B took ~14 ms to launch where
+its kernels need ~1.5 ms, so a served burst's first, small prefill steps (one or two requests that arrived
+before the rest) each held the GPU for 16-22 ms. As vLLM's piecewise CUDA graphs and SGLang's
+`--enable-piecewise-cuda-graph` do, the pieces between attention kernels are captured once per token bucket,
+and an extend step of T tokens replays the smallest bucket >= T: L + 1 graph replays (L layers), with the L
+attention calls eager between them (their shapes follow the batch's requests, which no graph can fix).
+
+Pieces (`DecoderModel.piece`): piece 0 embeds and runs layer 0 to its attention kernel; piece i finishes layer
+i - 1 from its attention output and runs layer i to its kernel; piece L finishes the last layer and the final
+norm. Between replays only three buffers cross: q (written by the piece's fused qkv-prep into `q` here),
+the attention output (copied into `attn_out`), and the final hidden states (`hidden`). The residual stream
+stays inside the pieces: piece i's residual is a tensor of the graphs' pool that piece i + 1 reads; once piece
+i + 1 is captured nothing holds it, so later pieces reuse its memory (replays run in capture order, one
+bucket at a time, so a block is dead before it is written again). Every bucket shares one pool (largest
+first), which therefore holds one piece's working set, not L + 1 of them.
+
+Padded tokens (T..bucket) write their K/V to slot 0, in the scratch page 0 that no request owns (`out_loc` is
+zeroed past T on every replay); their ids and positions are whatever an earlier step left (valid values) and
+their rows of every output are dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from functools import partial
+
+import torch
+
+from kubesgl.attention.base import AttentionBackend
+from kubesgl.kv.kv_cache import KVCache
+from kubesgl.layers.forward import ForwardBatch
+from kubesgl.models.decoder import CausalLM, DecoderModel, DenseMLP
+
+log = logging.getLogger(__name__)
+
+
+def token_buckets(max_tokens: int) -> list[int]:
+    """The captured token counts up to `max_tokens`: powers of two to 256, then steps of a quarter of the
+    power of two below (padding wastes at most ~25 % of a large step's device time), and `max_tokens`."""
+    sizes = [s for s in (16, 32, 64, 128, 256) if s < max_tokens]
+    size = 256
+    while size < max_tokens:
+        size += max(64, 1 << (size.bit_length() - 3))
+        sizes.append(min(size, max_tokens))
+    if not sizes or sizes[-1] != max_tokens:
+        sizes.append(max_tokens)
+    return sorted(set(sizes))
+
+
+def piecewise_applies(model: CausalLM) -> str | None:
+    """Why `model` cannot run piecewise graphs, or None when it can: a dense decoder (`DecoderModel` pieces;
+    the MoE experts stay eager, their routing was not checked for graph capture at prefill sizes)."""
+    inner = getattr(model, "model", None)
+    if not isinstance(inner, DecoderModel):
+        return f"{type(model).__name__} is not a DecoderModel"
+    if not all(isinstance(layer.mlp, DenseMLP) for layer in inner.layers):
+        return "a mixture-of-experts MLP"
+    return None
+
+
+class PrefillGraphs:
+    """Per token bucket, L + 1 piece graphs over static inputs; `run` replays an extend step through them."""
+
+    def __init__(
+        self, *, model: CausalLM, attn: AttentionBackend, kv: KVCache, max_tokens: int, device: torch.device
+    ) -> None:
+        why = piecewise_applies(model)
+        if why is not None:
+            raise ValueError(f"piecewise CUDA graphs do not apply: {why}")
+        self.model = model
+        self.decoder: DecoderModel = model.model
+        self.layers = list(self.decoder.layers)
+        self.attn, self.kv = attn, kv
+        self.sizes = token_buckets(max_tokens)
+        self.max_tokens = self.sizes[-1]
+        first = self.layers[0].self_attn.attn
+        n, dtype = self.max_tokens, model.dtype
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+        self.out_loc = torch.zeros(n, dtype=torch.int64, device=device)  # slot 0: the scratch page
+        self.q = torch.zeros(n, first.num_heads * first.head_dim, dtype=dtype, device=device)
+        self.attn_out = torch.zeros_like(self.q)
+        self.hidden = torch.zeros(n, model.hidden_size, dtype=dtype, device=device)
+        self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        start = time.perf_counter()
+        pool = None
+        for size in reversed(self.sizes if device.type == "cuda" else []):  # largest first: the smaller ones fit in its pool
+            self.graphs[size] = pieces = []
+            fb = ForwardBatch(
+                "extend", self.input_ids[:size], self.positions[:size], self.out_loc[:size], attn, kv
+            )
+            residual: torch.Tensor | None = None
+            for i in range(len(self.layers) + 1):
+                graph, residual = self._capture(partial(self._piece, i, size, fb, residual), pool)
+                pool = graph.pool()
+                pieces.append(graph)
+        self.capture_seconds = time.perf_counter() - start
+        log.info(
+            "captured piecewise prefill CUDA graphs: %d token buckets (<= %d) x %d pieces in %.1f s",
+            len(self.sizes),
+            self.max_tokens,
+            len(self.layers) + 1,
+            self.capture_seconds,
+        )
+
+    def _piece(
+        self, i: int, size: int, fb: ForwardBatch, residual: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """Piece i at `size` tokens over the static buffers; returns the residual the next piece reads."""
+        attn_out = self.attn_out[:size] if i else None
+        out, residual = self.decoder.piece(i, fb, attn_out, residual, self.q[:size])
+        if residual is None:  # the last piece: the final hidden states
+            self.hidden[:size].copy_(out)
+        return residual
+
+    @staticmethod
+    def _capture(
+        fn: Callable[[], torch.Tensor | None], pool: object
+    ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor | None]:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm up: autotuning and lazy allocations must not happen inside capture
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = fn()
+        return graph, out
+
+    def bucket(self, tokens: int) -> int | None:
+        """The smallest captured size >= `tokens`, or None when the step is larger than every bucket."""
+        return next((s for s in self.sizes if s >= tokens), None)
+
+    def run(self, fb: ForwardBatch, size: int) -> torch.Tensor:
+        """The final hidden states [T, hidden] of the extend step `fb` (its attention already planned), through
+        the graphs of `size` (its `bucket`). The result is a view of a buffer the next step overwrites."""
+        t = fb.num_tokens
+        self.input_ids[:t].copy_(fb.input_ids)
+        self.positions[:t].copy_(fb.positions)
+        self.out_loc[:t].copy_(fb.out_loc)
+        self.out_loc[t:size].zero_()  # padded tokens write the scratch page, never a request's slot
+        q, attn_out = self.q[:t], self.attn_out[:t]
+        pieces = self.graphs.get(size)
+        if pieces is None:  # no graphs (CPU): the same pieces over the same buffers, op by op
+            return self._run_eager(fb, size)
+        for layer, graph in zip(self.layers, pieces, strict=False):
+            graph.replay()
+            attn_out.copy_(layer.self_attn.attn(q, fb))
+        pieces[-1].replay()
+        return self.hidden[:t]
+
+    def _run_eager(self, fb: ForwardBatch, size: int) -> torch.Tensor:
+        """What the graphs of `size` replay, run op by op (the CPU tests' view of the piecewise path)."""
+        t = fb.num_tokens
+        static = ForwardBatch(
+            "extend", self.input_ids[:size], self.positions[:size], self.out_loc[:size], self.attn, self.kv
+        )
+        residual = None
+        for i, layer in enumerate(self.layers):
+            residual = self._piece(i, size, static, residual)
+            self.attn_out[:t].copy_(layer.self_attn.attn(self.q[:t], fb))
+        self._piece(len(self.layers), size, static, residual)
+        return self.hidden[:t]
