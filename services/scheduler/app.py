@@ -58,6 +58,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--context-length", type=int, default=d.max_seq_len_override, help="cap the context")
     parser.add_argument("--attn", default=d.attn, help="attention backend: torch|triton|flashinfer|fa3|auto")
     parser.add_argument("--cuda-graph-max-bs", type=int, default=d.cuda_graph_max_bs, help="0 disables")
+    parser.add_argument(
+        "--piecewise-cuda-graph-max-tokens",
+        type=int,
+        default=d.piecewise_cuda_graph_max_tokens,
+        help="extend steps of at most this many tokens replay piecewise CUDA graphs (default: the prefill chunk; "
+        "0 disables)",
+    )
     parser.add_argument("--disable-overlap", action="store_true", help="no overlap scheduling")
     parser.add_argument(
         "--enable-torch-compile",
@@ -209,6 +216,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_seq_len_override=args.context_length,
         attn=args.attn,
         cuda_graph_max_bs=args.cuda_graph_max_bs,
+        piecewise_cuda_graph_max_tokens=args.piecewise_cuda_graph_max_tokens,
         disable_overlap=args.disable_overlap,
         enable_torch_compile=args.enable_torch_compile,
         torch_compile_max_bs=args.torch_compile_max_bs,

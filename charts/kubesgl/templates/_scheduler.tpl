@@ -118,6 +118,10 @@ spec:
         - --cuda-graph-max-bs
         - {{ $s.cudaGraphMaxBs | int64 | quote }}
         {{- end }}
+        {{- if not (kindIs "invalid" $s.piecewiseCudaGraphMaxTokens) }}
+        - --piecewise-cuda-graph-max-tokens
+        - {{ $s.piecewiseCudaGraphMaxTokens | int64 | quote }}
+        {{- end }}
         {{- if $s.disableOverlap }}
         - --disable-overlap
         {{- end }}

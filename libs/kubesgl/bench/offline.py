@@ -40,6 +40,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attn", default="auto")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--cuda-graph-max-bs", type=int, default=None)
+    p.add_argument(
+        "--piecewise-cuda-graph-max-tokens",
+        type=int,
+        default=None,
+        help="extend steps of at most this many tokens replay piecewise CUDA graphs (default: the prefill chunk; "
+        "0 disables)",
+    )
     p.add_argument("--disable-overlap", action="store_true")
     p.add_argument(
         "--enable-torch-compile",
@@ -276,6 +283,7 @@ def main(args: argparse.Namespace) -> int:
         attn=args.attn,
         page_size=args.page_size,
         cuda_graph_max_bs=args.cuda_graph_max_bs,
+        piecewise_cuda_graph_max_tokens=args.piecewise_cuda_graph_max_tokens,
         disable_overlap=args.disable_overlap,
         enable_mixed_chunk=args.enable_mixed_chunk,
         enable_torch_compile=args.enable_torch_compile,
@@ -321,7 +329,7 @@ def main(args: argparse.Namespace) -> int:
     )
     if isinstance(llm.engine.step_hook, StepProfile):
         print(llm.engine.step_hook.report(), flush=True)
-    graphs = llm.engine.runner.graphs
+    graphs, piecewise = llm.engine.runner.graphs, llm.engine.runner.prefill_graphs
     res: dict[str, Any] = {
         "model": args.model,
         "attn": type(llm.engine.runner.attn).__name__,
@@ -332,6 +340,8 @@ def main(args: argparse.Namespace) -> int:
         "blas": torch.backends.cuda.preferred_blas_library().name if args.device == "cuda" else None,
         "cuda_graph_max_bs": graphs.max_bs if graphs else 0,
         "graph_capture_s": round(graphs.capture_seconds, 2) if graphs else 0.0,  # compile included
+        "piecewise_max_tokens": piecewise.max_tokens if piecewise else 0,
+        "piecewise_capture_s": round(piecewise.capture_seconds, 2) if piecewise else 0.0,
         **compile_figures(llm.engine.runner.compiled),
         "requests": len(prompts),
         "prompt_tokens": sum(map(len, prompts)),

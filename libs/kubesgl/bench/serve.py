@@ -85,6 +85,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="offline LLM graph batch limit (match the scheduler's)",
     )
     p.add_argument(
+        "--piecewise-cuda-graph-max-tokens",
+        type=int,
+        default=None,
+        help="offline LLM piecewise prefill graphs (match the scheduler's; 0 disables)",
+    )
+    p.add_argument(
         "--dummy-weight", action="store_true", help="offline LLM on random weights (as the scheduler's flag)"
     )
     p.add_argument("--json", default=None, help="append the figures as one JSON line to this file")
@@ -281,6 +287,7 @@ def _offline(args: argparse.Namespace, prompts: list[list[int]], max_tokens: lis
         num_pages=args.num_pages,
         dummy_weight=args.dummy_weight,
         cuda_graph_max_bs=args.cuda_graph_max_bs,
+        piecewise_cuda_graph_max_tokens=args.piecewise_cuda_graph_max_tokens,
     )
     freeze_heap()  # as the serving processes do once started (runtime.process): the same GC on both sides
     try:

@@ -89,7 +89,9 @@ class PrefillGraphs:
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         start = time.perf_counter()
         pool = None
-        for size in reversed(self.sizes if device.type == "cuda" else []):  # largest first: the smaller ones fit in its pool
+        for size in reversed(
+            self.sizes if device.type == "cuda" else []
+        ):  # largest first: the smaller ones fit in its pool
             self.graphs[size] = pieces = []
             fb = ForwardBatch(
                 "extend", self.input_ids[:size], self.positions[:size], self.out_loc[:size], attn, kv
