@@ -48,7 +48,8 @@ def test_pieces_over_static_buffers_give_the_forwards_tokens(tmp_path: Path, arc
     float32 rounding."""
     model = str(build_random_model(arch, tmp_path / arch, init_std=0.5))
     prompts = _prompts(10, seed=2)
-    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=LogprobOptions(top=2))
+    # Prompt logprobs too: they are read from the pieces' static hidden states within the step.
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=LogprobOptions(2, 0))
     cfg = dict(page_size=4, max_prefill_tokens=40, enable_mixed_chunk=True)
     with LLM(model, **cfg) as llm:
         ref = llm.generate(prompts, params)
@@ -72,6 +73,10 @@ def test_pieces_over_static_buffers_give_the_forwards_tokens(tmp_path: Path, arc
         for a, b in zip(o["logprobs"], r["logprobs"], strict=False):
             if a.token_id == b.token_id:
                 assert abs(a.logprob - b.logprob) <= tol
+        prompt = o["prompt_logprobs"]
+        assert [e.token_id for e in prompt] == [e.token_id for e in r["prompt_logprobs"]]
+        for a, b in zip(prompt[1:], r["prompt_logprobs"][1:], strict=True):
+            assert abs(a.logprob - b.logprob) <= tol
 
 
 def test_padded_tokens_write_only_the_scratch_page(tmp_path: Path) -> None:
