@@ -32,8 +32,11 @@ from functools import partial
 import torch
 
 from kubesgl.attention.base import AttentionBackend
+from kubesgl.kernels.dispatch import triton_installed
+from kubesgl.kernels.fused_moe import fused_moe
 from kubesgl.kv.kv_cache import KVCache
 from kubesgl.layers.forward import ForwardBatch
+from kubesgl.layers.moe import SparseMoeBlock
 from kubesgl.models.decoder import CausalLM, DecoderModel, DenseMLP
 
 log = logging.getLogger(__name__)
@@ -53,13 +56,20 @@ def token_buckets(max_tokens: int) -> list[int]:
 
 
 def piecewise_applies(model: CausalLM) -> str | None:
-    """Why `model` cannot run piecewise graphs, or None when it can: a dense decoder (`DecoderModel` pieces;
-    the MoE experts stay eager, their routing was not checked for graph capture at prefill sizes)."""
+    """Why `model` cannot run piecewise graphs, or None when it can: a `DecoderModel` (its pieces) whose MLPs
+    are dense, or mixture-of-experts blocks whose experts run the Triton kernel (`fused_moe_triton`: routed on
+    the device into buffers sized by the token count alone, as the decode graphs capture it; the reference
+    experts read per-expert counts on the host, which no graph can)."""
     inner = getattr(model, "model", None)
     if not isinstance(inner, DecoderModel):
         return f"{type(model).__name__} is not a DecoderModel"
-    if not all(isinstance(layer.mlp, DenseMLP) for layer in inner.layers):
-        return "a mixture-of-experts MLP"
+    for layer in inner.layers:
+        mlp = layer.mlp
+        if isinstance(mlp, SparseMoeBlock):
+            if mlp.experts_impl is not fused_moe or not triton_installed():
+                return "mixture-of-experts without the Triton experts kernel"
+        elif not isinstance(mlp, DenseMLP):
+            return f"an MLP of type {type(mlp).__name__}"
     return None
 
 

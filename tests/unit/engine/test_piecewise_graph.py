@@ -16,6 +16,7 @@ from kubesgl import LLM, SamplingParams
 from kubesgl.engine.config import EngineConfig
 from kubesgl.engine.piecewise_graph import PrefillGraphs, piecewise_applies, token_buckets
 from kubesgl.errors import InvalidRequestError
+from kubesgl.kernels.fused_moe import experts_forward
 from kubesgl.models.random_init import build_random_model
 from kubesgl.values.sampling import LogprobOptions
 from support.engine_helpers import assert_greedy_match
@@ -100,13 +101,35 @@ def test_padded_tokens_write_only_the_scratch_page(tmp_path: Path) -> None:
         assert len([s for s in changed if s >= page]) == 5, changed
 
 
-def test_moe_models_stay_eager(tmp_path: Path) -> None:
+def test_moe_pieces_give_the_forwards_tokens(tmp_path: Path) -> None:
+    """Qwen3-MoE through the pieces (its experts between the projections of each piece) against the forward."""
+    model = str(build_random_model("qwen3_moe", tmp_path / "moe", init_std=0.5))
+    prompts = _prompts(4, seed=3)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=LogprobOptions(top=2))
+    with LLM(model, page_size=4) as llm:
+        ref = llm.generate(prompts, params)
+    with LLM(model, page_size=4) as llm:
+        r = llm.engine.runner
+        assert piecewise_applies(r.model) is None
+        r.prefill_graphs = PrefillGraphs(model=r.model, attn=r.attn, kv=r.kv, max_tokens=512, device=r.device)
+        got = llm.generate(prompts, params)
+    tie = 2 * logits_tolerance(model, context=100)
+    for o, ref_out in zip(got, ref, strict=True):
+        gaps = [lp.top[0][1] - lp.top[1][1] for lp in ref_out["logprobs"]]
+        assert_greedy_match(o["token_ids"], ref_out["token_ids"], gaps, tie)
+
+
+def test_models_without_pieces_are_refused(tmp_path: Path) -> None:
     model = str(build_random_model("qwen3_moe", tmp_path / "moe"))
     with LLM(model) as llm:
-        assert piecewise_applies(llm.engine.runner.model) == "a mixture-of-experts MLP"
-        with pytest.raises(ValueError, match="mixture-of-experts"):
-            r = llm.engine.runner
+        r = llm.engine.runner
+        for layer in r.model.model.layers:
+            layer.mlp.experts_impl = experts_forward  # the reference experts: host reads
+        assert piecewise_applies(r.model) == "mixture-of-experts without the Triton experts kernel"
+        with pytest.raises(ValueError, match="Triton experts kernel"):
             PrefillGraphs(model=r.model, attn=r.attn, kv=r.kv, max_tokens=16, device=r.device)
+        r.model.model = torch.nn.Identity()
+        assert piecewise_applies(r.model) == "Qwen3MoeForCausalLM is not a DecoderModel"
 
 
 def test_negative_max_tokens_is_refused() -> None:
@@ -114,9 +137,10 @@ def test_negative_max_tokens_is_refused() -> None:
         EngineConfig(model_path="unused", piecewise_cuda_graph_max_tokens=-1).validate()
 
 
-@pytest.fixture(scope="module")
-def gpu_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return str(build_random_model("qwen3", tmp_path_factory.mktemp("pw") / "qwen3", init_std=0.5))
+@pytest.fixture(scope="module", params=["qwen3", "qwen3_moe"])
+def gpu_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
+    arch = request.param
+    return str(build_random_model(arch, tmp_path_factory.mktemp("pw") / arch, init_std=0.5))
 
 
 def _gpu_generate(model: str, max_tokens: int, **config: object) -> list[dict]:
