@@ -229,6 +229,16 @@ case "$mode" in
         --shapes 1x8,1x1000,16x512,8x1024 --json "$OUT/exthost_pw$pw.jsonl" 2>&1 | grep -v Warn | tee "$OUT/exthost_pw$pw.txt"
     done
     ;;
+  gemv25)  # issue 25: the small-batch projection kernel (kernels/gemv.py, KUBESGL_GEMV) and the piecewise graphs'
+          # GPU tests, its kernel_bench part, then the decode step's kernel trace at bs 1 and 4 off and on. ~2.5 min
+    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/unit/kernels/test_gemv.py tests/unit/engine/test_piecewise_graph.py \
+      2>&1 | tail -6 | tee "$OUT/gemv_tests.txt"
+    timeout 90 python3 benchmark/kernel_bench.py --part gemv --json "$OUT/kb_gemv.jsonl" 2>&1 | grep -v Warn | tail -40 > "$OUT/kb_gemv.txt"
+    for g in 0 1; do
+      KUBESGL_GEMV=$g timeout 100 python3 benchmark/kernel_trace.py --model Qwen3-0.6B --batch-sizes 1,4 --context 800 \
+        --page-size 16 --top 14 --json "$OUT/trace_gemv$g.jsonl" 2>&1 | grep -v Warn > "$OUT/trace_gemv$g.txt"
+    done
+    ;;
   peers)  # Mini-SGLang on the same workload (benchmark/peers.sh; .gpu/minisgl carried) -> $OUT/peers.jsonl
     bash benchmark/peers.sh
     ;;
@@ -251,8 +261,10 @@ case "$mode" in
     ;;
   pack)  # last: every result file in one results.tgz (a call brings back only a few files from $OUT; call 1 of
         # 2026-12-06's third session lost its per-service CPU table to that), the compile caches left beside it
-    (cd "$OUT" && find . -type f ! -name 'cache-*.tgz' ! -name results.tgz -print0 | tar czf /tmp/results.tgz --null -T - \
-      && find . -type f ! -name 'cache-*.tgz' ! -name results.tgz -delete && mv /tmp/results.tgz results.tgz && ls -la)
+        # PACK=name packs into results_name.tgz instead, so a call can pack twice (each part kept if the next is cut)
+    r=results${PACK:+_$PACK}.tgz
+    (cd "$OUT" && find . -type f ! -name 'cache-*.tgz' ! -name 'results*.tgz' -print0 | tar czf /tmp/$r --null -T - \
+      && find . -type f ! -name 'cache-*.tgz' ! -name 'results*.tgz' -delete && mv /tmp/$r $r && ls -la)
     ;;
   cache-save)  # the compile caches, for the next call's .gpu/ (each file must stay under 16 MB to come back)
     [ -d "$HOME/.cache/flashinfer" ] && tar czf "$OUT/cache-flashinfer.tgz" -C "$HOME" .cache/flashinfer

@@ -1,7 +1,7 @@
 """Kernel microbenchmarks for the decode levers on Qwen3-0.6B shapes: what a step's small projections cost, and
 the planned Triton decode attention vs the split one and FlashInfer. Prints one summary table last.
 
-    python benchmark/kernel_bench.py --part copy|latency|attn|pdl|mlp --json $OUT/kb.jsonl   # one part a process
+    python benchmark/kernel_bench.py --part copy|latency|attn|pdl|mlp|gemv --json $OUT/kb.jsonl   # one part a process
     python benchmark/kernel_bench.py --summary $OUT/kb.jsonl                       # the table, from the rows
 
 copy: device-to-device copy bandwidth (read + write), the ceiling the other rows are read against.
@@ -104,9 +104,10 @@ def layer_projections(
     h0: torch.Tensor,
     r0: torch.Tensor,
     attn_out: torch.Tensor,
+    lin: Callable[..., torch.Tensor] = F.linear,
 ) -> Callable[[], torch.Tensor]:
-    """The projections of len(ws) decoder layers as the engine runs them (norm kernels + cuBLAS; attention
-    left out: `attn_out` stands in for its output)."""
+    """The projections of len(ws) decoder layers as the engine runs them (norm kernels + `lin`, cuBLAS by
+    default; attention left out: `attn_out` stands in for its output)."""
     from kubesgl.kernels.activation import silu_and_mul
     from kubesgl.kernels.norm import fused_add_rms_norm
 
@@ -114,10 +115,10 @@ def layer_projections(
         h, r = h0, r0
         for w in ws:
             normed, r = fused_add_rms_norm(h, r, nw, EPS)
-            F.linear(normed, w["qkv"])
-            o = F.linear(attn_out, w["o"])
+            lin(normed, w["qkv"])
+            o = lin(attn_out, w["o"])
             normed, r = fused_add_rms_norm(o, r, nw, EPS)
-            h = F.linear(silu_and_mul(F.linear(normed, w["gate_up"])), w["down"])
+            h = lin(silu_and_mul(lin(normed, w["gate_up"])), w["down"])
         return h
 
     return run
@@ -260,6 +261,51 @@ def part_mlp(path: str | None) -> None:
             row = {"part": "mlp", "m": m, "impl": impl, "us": sec * 1e6, "TBps": weight_bytes / sec / 1e12,
                    "rel_err": err, "ok": err < 2e-2}  # fmt: skip
             emit(row, path)
+
+
+# --- small-batch projections (kernels/gemv.py) --------------------------------------------------------
+
+
+def part_gemv(path: str | None) -> None:
+    """Each Qwen3-0.6B projection at M 1-4, cuBLAS against the Triton GEMV (8 layers' weights in turn, more
+    than L2 holds), then a layer's projections and norms with KUBESGL_GEMV off and on."""
+    from kubesgl.kernels.gemv import linear
+    from kubesgl.kernels.gemv_triton import gemv
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(shape, generator=gen, device="cuda", dtype=torch.float32) * scale).to(BF16)
+
+    ws = [
+        {name: rand(*SHAPES[name], scale=SHAPES[name][1] ** -0.5) for name in ("qkv", "o", "gate_up", "down")}
+        for _ in range(8)
+    ]
+    nw = 1 + 0.1 * rand(1024)
+    for m in (1, 2, 4):
+        for name in ("qkv", "o", "gate_up", "down"):
+            x = rand(m, SHAPES[name][1])
+            nbytes = ws[0][name].numel() * 2
+            for impl, fn in (("cublas", F.linear), ("gemv", gemv)):
+                err = rel_err(fn(x, ws[0][name]), F.linear(x.float(), ws[0][name].float()))
+                sec = graph_seconds(lambda x=x, fn=fn, name=name: [fn(x, w[name]) for w in ws], len(ws))
+                row = {"part": "gemv", "what": name, "m": m, "impl": impl, "us": sec * 1e6,
+                       "TBps": nbytes / sec / 1e12, "rel_err": err}  # fmt: skip
+                emit(row, path)
+        layer = layer_projections(ws, nw, rand(m, 1024), rand(m, 1024), rand(m, 2048), lin=linear)
+        for on in ("0", "1"):
+            os.environ["KUBESGL_GEMV"] = on  # kernels/gemv.py reads the switch at every call (capture time)
+            emit(
+                {
+                    "part": "gemv",
+                    "what": "layer",
+                    "m": m,
+                    "gemv": on == "1",
+                    "us": graph_seconds(layer, 8) * 1e6,
+                },
+                path,
+            )
+    os.environ.pop("KUBESGL_GEMV")
 
 
 # --- attention ----------------------------------------------------------------------------------------
@@ -417,7 +463,7 @@ def _ratio(base: dict | None, new: dict | None) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--part", choices=["copy", "latency", "attn", "pdl", "mlp"])
+    p.add_argument("--part", choices=["copy", "latency", "attn", "pdl", "mlp", "gemv"])
     p.add_argument("--json", default=None, help="append rows here")
     p.add_argument("--summary", default=None, help="print the summary table of these rows and exit")
     args = p.parse_args()
@@ -430,7 +476,7 @@ def main() -> int:
     t0 = time.time()
     {"copy": lambda: part_copy(args.json), "latency": lambda: part_latency(args.json),
      "attn": lambda: part_attn(args.json), "pdl": lambda: part_pdl(args.json),
-     "mlp": lambda: part_mlp(args.json)}[args.part]()  # fmt: skip
+     "mlp": lambda: part_mlp(args.json), "gemv": lambda: part_gemv(args.json)}[args.part]()  # fmt: skip
     print(f"{args.part} done in {time.time() - t0:.0f} s", flush=True)
     return 0
 

@@ -42,6 +42,11 @@ def fused_mlp() -> bool:
     return os.environ.get("KUBESGL_FUSED_MLP") in _TRUE
 
 
+def gemv() -> bool:
+    """KUBESGL_GEMV = 1/true: projections of up to 4 rows run as one Triton GEMV kernel (kernels/gemv.py)."""
+    return os.environ.get("KUBESGL_GEMV") in _TRUE
+
+
 def cache_dir() -> Path:
     """Where the demo model is built: $KUBESGL_CACHE, else ~/.cache/kubesgl."""
     return Path(os.environ.get("KUBESGL_CACHE") or Path.home() / ".cache" / "kubesgl")

@@ -11,10 +11,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kubesgl.distributed import TPGroup, shard_range
+from kubesgl.kernels.gemv import linear
 
 WeightLoader = Callable[[nn.Parameter, torch.Tensor, Any], None]
 
@@ -53,7 +53,7 @@ class _ColumnParallel(nn.Module):
     bias: nn.Parameter | None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(_ColumnParallel):
@@ -140,6 +140,6 @@ class RowParallelLinear(nn.Module):
         copy_checked(param.data, _narrow_rank(full, 1, self.tp), "row-parallel weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        y = self.tp.all_reduce(linear(x, self.weight))
         # Bias after the reduce so it is added once, not tp_size times.
         return y if self.bias is None else y + self.bias

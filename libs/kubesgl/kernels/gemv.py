@@ -1,0 +1,42 @@
+"""Projections of a handful of rows (decode at batch <= GEMV_MAX_ROWS) as one Triton GEMV kernel on CUDA.
+
+At batch 1 the decode step's four projections per layer run as cuBLAS GEMMs at ~1.1-1.4 TB/s, with several
+microseconds of fixed cost each beyond their bytes, and cuBLAS's launches take no programmatic dependent launch
+(docs/performance.md, issue 25). `gemv_triton` holds each program's weight slice in registers, loaded before
+it waits on the previous kernel, so the weight stream starts while a small norm or attention kernel still runs.
+Switched on by KUBESGL_GEMV until measured on a device (like KUBESGL_FUSED_MLP); `linear` is F.linear otherwise.
+Its float32 sums are in another order than cuBLAS's: outputs differ within the dtype's rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kubesgl import env
+from kubesgl.kernels.dispatch import use_triton
+
+GEMV_MAX_ROWS = 4
+GEMV_MAX_K = 4096  # a program holds [N/programs, K] in registers; larger K keeps cuBLAS
+
+
+def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `linear` takes the Triton GEMV for x [M, K] and weight [N, K] (switch on, CUDA, M and K small)."""
+    return (
+        env.gemv()
+        and x.dim() == 2
+        and x.shape[0] <= GEMV_MAX_ROWS
+        and weight.shape[1] <= GEMV_MAX_K
+        and x.stride(-1) == 1
+        and weight.stride(-1) == 1
+        and use_triton(x)
+    )
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, through the GEMV kernel where `gemv_applies` (and there is no bias)."""
+    if bias is None and gemv_applies(x, weight):
+        from kubesgl.kernels import gemv_triton
+
+        return gemv_triton.gemv(x, weight)
+    return F.linear(x, weight, bias)

@@ -1,0 +1,124 @@
+"""The small-batch projection kernel (kernels/gemv.py) against F.linear.
+
+Without CUDA the kernel runs in Triton's interpreter on float32 CPU tensors; the `gpu` tests run it compiled in
+bf16 at Qwen3-0.6B's projection shapes, inside a CUDA graph with PDL (the decode graphs' setting), and the
+decoder's projections with the switch on against off.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from kubesgl.distributed import TPGroup
+from kubesgl.kernels import gemv_triton
+from kubesgl.kernels.gemv import GEMV_MAX_K, GEMV_MAX_ROWS, gemv_applies, linear
+from kubesgl.layers.linear import QKVParallelLinear, RowParallelLinear
+from support.numerics import reorder_bound, unit_roundoff
+
+CUDA = torch.cuda.is_available()
+cpu_interpreter = pytest.mark.skipif(CUDA, reason="the GPU tests cover the kernel compiled")
+
+
+def randn(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=gen) * scale
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert out.shape == ref.shape and torch.isfinite(out).all()
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+@cpu_interpreter
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 40, 96), (3, 17, 64), (4, 8, 200)])
+def test_triton_gemv_matches_linear(m: int, n: int, k: int) -> None:
+    """Widths that are not powers of two (masked columns and a masked weight slice)."""
+    x, w = randn(m, k, seed=m), randn(n, k, seed=n, scale=k**-0.5)
+    out = gemv_triton.gemv(x, w)
+    assert out.dtype == torch.float32
+    assert rel_err(out, F.linear(x, w)) < reorder_bound(torch.float32, k)
+
+
+def test_gemv_rejects_more_rows_or_mismatched_widths() -> None:
+    with pytest.raises(ValueError, match="at most 8 rows"):
+        gemv_triton.gemv(torch.zeros(9, 4), torch.zeros(3, 4))
+    with pytest.raises(ValueError, match="x \\(2, 4\\) and w \\(3, 5\\)"):
+        gemv_triton.gemv(torch.zeros(2, 4), torch.zeros(3, 5))
+
+
+def test_linear_stays_on_torch_off_cuda_or_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    x, w, b = randn(2, 16, seed=1), randn(8, 16, seed=2), randn(8, seed=3)
+    monkeypatch.setenv("KUBESGL_GEMV", "1")
+    assert not gemv_applies(x, w)  # a CPU tensor
+    assert torch.equal(linear(x, w, b), F.linear(x, w, b))
+    monkeypatch.delenv("KUBESGL_GEMV")
+    assert torch.equal(linear(x, w), F.linear(x, w))
+
+
+# --- GPU: compiled, bf16 -----------------------------------------------------------------------------
+
+QWEN3_06B = [(1024, 4096), (2048, 1024), (1024, 6144), (3072, 1024)]  # (K, N): qkv, o, gate_up, down
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("m", [1, 2, 4])
+@pytest.mark.parametrize(("k", "n"), QWEN3_06B)
+def test_gpu_gemv_matches_linear(m: int, k: int, n: int) -> None:
+    x = randn(m, k, seed=m).to("cuda", torch.bfloat16)
+    w = randn(n, k, seed=k + n, scale=k**-0.5).to("cuda", torch.bfloat16)
+    ref = F.linear(x.float(), w.float())
+    # bf16 inputs, float32 sums, one rounding to bf16 at the end.
+    assert rel_err(gemv_triton.gemv(x, w), ref) < 2 * unit_roundoff(torch.bfloat16) + reorder_bound(
+        torch.float32, k
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_gpu_gemv_in_a_graph_after_another_kernel_reads_that_kernels_output(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """PDL: the kernel reads its weights before waiting, its input only after; replayed in a CUDA graph behind
+    the kernel that writes the input, it must see the new input every replay."""
+    monkeypatch.setenv("KUBESGL_GEMV", "1")
+    w = randn(4096, 1024, seed=7, scale=1024**-0.5).to("cuda", torch.bfloat16)
+    src = torch.zeros(1, 1024, device="cuda", dtype=torch.bfloat16)
+    x = torch.empty_like(src)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            torch.mul(src, 2, out=x)
+            linear(x, w)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        torch.mul(src, 2, out=x)
+        out = linear(x, w)
+    for seed in range(5):
+        src.copy_(randn(1, 1024, seed=seed).to(torch.bfloat16))
+        graph.replay()
+        assert rel_err(out, F.linear(2 * src.float(), w.float())) < 4 * unit_roundoff(torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_gpu_projections_agree_with_the_switch_on_and_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    tp = TPGroup()
+    qkv = QKVParallelLinear(1024, 128, 16, 8, bias=False, tp=tp).to("cuda", torch.bfloat16)
+    o = RowParallelLinear(2048, 1024, bias=False, tp=tp).to("cuda", torch.bfloat16)
+    for i, layer in enumerate((qkv, o)):
+        layer.weight.data.copy_(randn(*layer.weight.shape, seed=i, scale=layer.weight.shape[1] ** -0.5))
+    for m in (1, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1):
+        x = randn(m, 1024, seed=m).to("cuda", torch.bfloat16)
+        monkeypatch.setenv("KUBESGL_GEMV", "1")
+        assert gemv_applies(x, qkv.weight) == (m <= GEMV_MAX_ROWS)
+        on = qkv(x), o(torch.cat([x, x], 1))
+        monkeypatch.setenv("KUBESGL_GEMV", "0")
+        off = qkv(x), o(torch.cat([x, x], 1))
+        for a, b in zip(on, off, strict=True):
+            assert rel_err(a, b) < 4 * unit_roundoff(torch.bfloat16)
+    assert not gemv_applies(
+        torch.zeros(1, GEMV_MAX_K + 1, device="cuda"), torch.zeros(8, GEMV_MAX_K + 1, device="cuda")
+    )
