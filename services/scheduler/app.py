@@ -62,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--piecewise-cuda-graph-max-tokens",
         type=int,
         default=d.piecewise_cuda_graph_max_tokens,
-        help="extend steps of at most this many tokens replay piecewise CUDA graphs (default: the prefill chunk; "
+        help="extend steps of at most this many tokens replay piecewise CUDA graphs (default: the prefill chunk, at most 8192; "
         "0 disables)",
     )
     parser.add_argument("--disable-overlap", action="store_true", help="no overlap scheduling")

@@ -44,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--piecewise-cuda-graph-max-tokens",
         type=int,
         default=None,
-        help="extend steps of at most this many tokens replay piecewise CUDA graphs (default: the prefill chunk; "
+        help="extend steps of at most this many tokens replay piecewise CUDA graphs (default: the prefill chunk, at most 8192; "
         "0 disables)",
     )
     p.add_argument("--disable-overlap", action="store_true")

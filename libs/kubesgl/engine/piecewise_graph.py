@@ -41,6 +41,10 @@ from kubesgl.models.decoder import CausalLM, DecoderModel, DenseMLP
 
 log = logging.getLogger(__name__)
 
+# The default largest bucket (the prefill chunk up to this): the pool holds that many tokens' activations for
+# good (~0.3 GB for Qwen3-0.6B at 8,192; a 32k chunk of a 14B model would hold several GB beside the KV pool).
+AUTO_MAX_TOKENS = 8192
+
 
 def token_buckets(max_tokens: int) -> list[int]:
     """The captured token counts up to `max_tokens`: powers of two to 256, then steps of a quarter of the
