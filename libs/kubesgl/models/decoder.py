@@ -160,12 +160,17 @@ class DecoderLayer(nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, fb: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, fb)
+        hidden, residual = self._input_norm(hidden, residual)
+        return self._mlp_block(self.self_attn(positions, hidden, fb), residual)
+
+    def _input_norm(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:  # the first layer: the embedding is the residual stream
+            return self.input_layernorm(hidden), hidden
+        return self.input_layernorm(hidden, residual)
+
+    def _mlp_block(self, hidden: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -181,11 +186,7 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The input norm, the qkv projection, q/k norms, RoPE and the K/V store: (q, residual); q is written
         into `q_out` when given."""
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = self._input_norm(hidden, residual)
         attn = self.self_attn
         return attn.prep(attn.qkv_proj(hidden), positions, fb, q_out), residual
 
@@ -193,8 +194,7 @@ class DecoderLayer(nn.Module):
         self, attn_out: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """o_proj, the residual norm and the MLP: (hidden, residual) for the next layer."""
-        hidden, residual = self.post_attention_layernorm(self.self_attn.o_proj(attn_out), residual)
-        return self.mlp(hidden), residual
+        return self._mlp_block(self.self_attn.o_proj(attn_out), residual)
 
 
 class DecoderModel(nn.Module):
