@@ -229,10 +229,12 @@ case "$mode" in
         --shapes 1x8,1x1000,16x512,8x1024 --json "$OUT/exthost_pw$pw.jsonl" 2>&1 | grep -v Warn | tee "$OUT/exthost_pw$pw.txt"
     done
     ;;
-  gemv25)  # issue 25: the small-batch projection kernel (kernels/gemv.py, KUBESGL_GEMV) and the piecewise graphs'
-          # GPU tests, its kernel_bench part, then the decode step's kernel trace at bs 1 and 4 off and on. ~2.5 min
+  pwtests)  # the GPU tests of the piecewise prefill graphs (dense and MoE) and of the GEMV kernel. ~40 s
     timeout 120 python3 -m pytest -q -p no:cacheprovider tests/unit/kernels/test_gemv.py tests/unit/engine/test_piecewise_graph.py \
-      2>&1 | tail -6 | tee "$OUT/gemv_tests.txt"
+      2>&1 | tail -8 | tee "$OUT/pw_gemv_tests.txt"
+    ;;
+  gemv25)  # issue 25: the small-batch projection kernel (kernels/gemv.py, KUBESGL_GEMV): its kernel_bench part, then
+          # the decode step's kernel trace at bs 1 and 4 with it off and on (its tests: pwtests). ~2 min
     timeout 90 python3 benchmark/kernel_bench.py --part gemv --json "$OUT/kb_gemv.jsonl" 2>&1 | grep -v Warn | tail -40 > "$OUT/kb_gemv.txt"
     for g in 0 1; do
       KUBESGL_GEMV=$g timeout 100 python3 benchmark/kernel_trace.py --model Qwen3-0.6B --batch-sizes 1,4 --context 800 \
