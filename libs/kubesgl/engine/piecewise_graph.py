@@ -77,6 +77,15 @@ def piecewise_applies(model: CausalLM) -> str | None:
     return None
 
 
+def piecewise_by_default(model: CausalLM) -> bool:
+    """Whether the graphs are on without --piecewise-cuda-graph-max-tokens: for dense decoders, whose captured
+    pieces the GPU tests checked against eager extend steps (2026-12-06). Mixture-of-experts pieces were only
+    run op by op on CPU; a value for the flag turns them on."""
+    inner = getattr(model, "model", None)
+    dense = isinstance(inner, DecoderModel) and all(isinstance(layer.mlp, DenseMLP) for layer in inner.layers)
+    return dense and piecewise_applies(model) is None
+
+
 class PrefillGraphs:
     """Per token bucket, L + 1 piece graphs over static inputs; `run` replays an extend step through them."""
 

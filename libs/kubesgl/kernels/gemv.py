@@ -23,9 +23,9 @@ GEMV_MAX_K = 4096  # a program holds [N/programs, K] in registers; larger K keep
 def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `linear` takes the Triton GEMV for x [M, K] and weight [N, K] (switch on, CUDA, M and K small)."""
     return (
-        env.gemv()
-        and x.dim() == 2
+        x.dim() == 2
         and x.shape[0] <= GEMV_MAX_ROWS
+        and env.gemv()
         and weight.shape[1] <= GEMV_MAX_K
         and x.stride(-1) == 1
         and weight.stride(-1) == 1

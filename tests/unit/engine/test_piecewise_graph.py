@@ -14,7 +14,12 @@ import pytest
 import torch
 from kubesgl import LLM, SamplingParams
 from kubesgl.engine.config import EngineConfig
-from kubesgl.engine.piecewise_graph import PrefillGraphs, piecewise_applies, token_buckets
+from kubesgl.engine.piecewise_graph import (
+    PrefillGraphs,
+    piecewise_applies,
+    piecewise_by_default,
+    token_buckets,
+)
 from kubesgl.errors import InvalidRequestError
 from kubesgl.kernels.fused_moe import experts_forward
 from kubesgl.models.random_init import build_random_model
@@ -56,6 +61,7 @@ def test_pieces_over_static_buffers_give_the_forwards_tokens(tmp_path: Path, arc
         ref = llm.generate(prompts, params)
     with LLM(model, **cfg) as llm:
         runner = llm.engine.runner
+        assert piecewise_by_default(runner.model)  # what a GPU engine captures without the flag
         graphs = PrefillGraphs(
             model=runner.model, attn=runner.attn, kv=runner.kv, max_tokens=40, device=runner.device
         )
@@ -110,7 +116,7 @@ def test_moe_pieces_give_the_forwards_tokens(tmp_path: Path) -> None:
         ref = llm.generate(prompts, params)
     with LLM(model, page_size=4) as llm:
         r = llm.engine.runner
-        assert piecewise_applies(r.model) is None
+        assert piecewise_applies(r.model) is None and not piecewise_by_default(r.model)
         r.prefill_graphs = PrefillGraphs(model=r.model, attn=r.attn, kv=r.kv, max_tokens=512, device=r.device)
         got = llm.generate(prompts, params)
     tie = 2 * logits_tolerance(model, context=100)
