@@ -26,7 +26,7 @@ class EngineConfig:
     # SGLang's --piecewise-cuda-graph-max-tokens: extend steps of at most this many tokens replay piecewise CUDA
     # graphs (engine/piecewise_graph.py; the forward captured between its attention kernels, per token bucket).
     # 0 = off (every extend step eager); None = auto (max_prefill_tokens up to 8192, on a GPU, dense models:
-    # piecewise_graph.piecewise_by_default; a value also takes mixture-of-experts models).
+    # piecewise_graph.auto_max_tokens; a value also takes mixture-of-experts models).
     piecewise_cuda_graph_max_tokens: int | None = None
     disable_overlap: bool = False
     # SGLang's --enable-torch-compile / --torch-compile-max-bs: decode batches of at most that many rows run the

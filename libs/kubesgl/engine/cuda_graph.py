@@ -28,6 +28,23 @@ from kubesgl.models.decoder import CausalLM
 log = logging.getLogger(__name__)
 
 
+def capture_graph(
+    fn: Callable[[], torch.Tensor | None], pool: object
+) -> tuple[torch.cuda.CUDAGraph, torch.Tensor | None]:
+    """`fn` captured into a graph in `pool` (None: a new one), after two warm-up runs on a side stream
+    (autotuning and lazy allocations must not happen inside capture); returns the graph and fn's output."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return graph, out
+
+
 def capture_sizes(max_bs: int) -> list[int]:
     sizes = [s for s in (1, 2, 4, 8) if s <= max_bs] + list(range(16, max_bs + 1, 16))
     if sizes[-1] != max_bs:
@@ -167,16 +184,7 @@ class DecodeGraphs:
     ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor | None]:
         if bs is not None:
             self.attn.plan_capture(bs)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm up: autotuning and lazy allocations must not happen inside capture
-                fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            out = fn()
-        return graph, out
+        return capture_graph(fn, pool)
 
     def padded_size(self, n: int) -> int | None:
         return next((s for s in self.sizes if s >= n), None)

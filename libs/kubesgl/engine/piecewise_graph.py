@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from functools import partial
 
 import torch
 
 from kubesgl.attention.base import AttentionBackend
+from kubesgl.engine.cuda_graph import capture_graph
 from kubesgl.kernels.dispatch import triton_installed
 from kubesgl.kernels.fused_moe import fused_moe
 from kubesgl.kv.kv_cache import KVCache
@@ -77,13 +77,13 @@ def piecewise_applies(model: CausalLM) -> str | None:
     return None
 
 
-def piecewise_by_default(model: CausalLM) -> bool:
-    """Whether the graphs are on without --piecewise-cuda-graph-max-tokens: for dense decoders, whose captured
-    pieces the GPU tests checked against eager extend steps (2026-12-06). Mixture-of-experts pieces were only
-    run op by op on CPU; a value for the flag turns them on."""
+def auto_max_tokens(model: CausalLM, max_prefill_tokens: int) -> int:
+    """The largest bucket without --piecewise-cuda-graph-max-tokens: the prefill chunk up to AUTO_MAX_TOKENS for
+    dense decoders, whose captured pieces the GPU tests checked against eager extend steps (2026-12-06); 0 (off)
+    for the rest. Mixture-of-experts pieces were only run op by op on CPU: a value for the flag turns them on."""
     inner = getattr(model, "model", None)
     dense = isinstance(inner, DecoderModel) and all(isinstance(layer.mlp, DenseMLP) for layer in inner.layers)
-    return dense and piecewise_applies(model) is None
+    return min(max_prefill_tokens, AUTO_MAX_TOKENS) if dense else 0
 
 
 class PrefillGraphs:
@@ -114,12 +114,10 @@ class PrefillGraphs:
         captured = self.sizes if device.type == "cuda" else []  # on CPU `run` takes the pieces op by op
         for size in reversed(captured):  # largest first: the smaller ones fit in its pool
             self.graphs[size] = pieces = []
-            fb = ForwardBatch(
-                "extend", self.input_ids[:size], self.positions[:size], self.out_loc[:size], attn, kv
-            )
+            fb = self._static_batch(size)
             residual: torch.Tensor | None = None
             for i in range(len(self.layers) + 1):
-                graph, residual = self._capture(partial(self._piece, i, size, fb, residual), pool)
+                graph, residual = capture_graph(partial(self._piece, i, size, fb, residual), pool)
                 pool = graph.pool()
                 pieces.append(graph)
         self.capture_seconds = time.perf_counter() - start
@@ -141,20 +139,10 @@ class PrefillGraphs:
             self.hidden[:size].copy_(out)
         return residual
 
-    @staticmethod
-    def _capture(
-        fn: Callable[[], torch.Tensor | None], pool: object
-    ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor | None]:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm up: autotuning and lazy allocations must not happen inside capture
-                fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            out = fn()
-        return graph, out
+    def _static_batch(self, size: int) -> ForwardBatch:
+        """The pieces' view of a `size`-token step: the static inputs (attention runs on the step's own batch)."""
+        ids, positions, out_loc = self.input_ids[:size], self.positions[:size], self.out_loc[:size]
+        return ForwardBatch("extend", ids, positions, out_loc, self.attn, self.kv)
 
     def bucket(self, tokens: int) -> int | None:
         """The smallest captured size >= `tokens`, or None when the step is larger than every bucket."""
@@ -181,9 +169,7 @@ class PrefillGraphs:
     def _run_eager(self, fb: ForwardBatch, size: int) -> torch.Tensor:
         """What the graphs of `size` replay, run op by op (the CPU tests' view of the piecewise path)."""
         t = fb.num_tokens
-        static = ForwardBatch(
-            "extend", self.input_ids[:size], self.positions[:size], self.out_loc[:size], self.attn, self.kv
-        )
+        static = self._static_batch(size)
         residual = None
         for i, layer in enumerate(self.layers):
             residual = self._piece(i, size, static, residual)

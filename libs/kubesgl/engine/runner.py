@@ -23,7 +23,7 @@ from kubesgl.distributed import TPGroup
 from kubesgl.engine.compile import CompiledForward
 from kubesgl.engine.config import EngineConfig
 from kubesgl.engine.cuda_graph import DecodeGraphs, auto_max_bs
-from kubesgl.engine.piecewise_graph import AUTO_MAX_TOKENS, PrefillGraphs, piecewise_by_default
+from kubesgl.engine.piecewise_graph import PrefillGraphs, auto_max_tokens
 from kubesgl.engine.plan import BatchPlan
 from kubesgl.engine.sampler import Sampler
 from kubesgl.engine.step_result import PendingSample, PromptLogprobs, StepResult
@@ -131,9 +131,7 @@ class ModelRunner:
         self.prefill_graphs: PrefillGraphs | None = None
         max_tokens = config.piecewise_cuda_graph_max_tokens
         if max_tokens is None:
-            # The prefill chunk, up to AUTO_MAX_TOKENS (the graphs' pool keeps the largest bucket's activations),
-            # for the models whose pieces were checked captured on a GPU (`piecewise_by_default`).
-            max_tokens = min(config.max_prefill_tokens, AUTO_MAX_TOKENS) if piecewise_by_default(m) else 0
+            max_tokens = auto_max_tokens(m, config.max_prefill_tokens)
         if self.device.type == "cuda" and max_tokens:
             self.prefill_graphs = PrefillGraphs(
                 model=m, attn=self.attn, kv=self.kv, max_tokens=max_tokens, device=self.device

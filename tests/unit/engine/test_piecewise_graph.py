@@ -16,8 +16,8 @@ from kubesgl import LLM, SamplingParams
 from kubesgl.engine.config import EngineConfig
 from kubesgl.engine.piecewise_graph import (
     PrefillGraphs,
+    auto_max_tokens,
     piecewise_applies,
-    piecewise_by_default,
     token_buckets,
 )
 from kubesgl.errors import InvalidRequestError
@@ -39,7 +39,6 @@ def test_token_buckets_cover_every_size_with_bounded_padding() -> None:
             # Small steps (host-bound) pad to a power of two, large ones by at most a quarter or 64 tokens.
             assert b <= max(16, 2 * t) if t <= 256 else b - t <= max(64, t // 4), (top, t, b)
     assert token_buckets(8192)[:5] == [16, 32, 64, 128, 256]
-    assert next((s for s in token_buckets(40) if s >= 41), None) is None  # larger steps run eager
 
 
 def _prompts(n: int, seed: int) -> list[list[int]]:
@@ -61,7 +60,8 @@ def test_pieces_over_static_buffers_give_the_forwards_tokens(tmp_path: Path, arc
         ref = llm.generate(prompts, params)
     with LLM(model, **cfg) as llm:
         runner = llm.engine.runner
-        assert piecewise_by_default(runner.model)  # what a GPU engine captures without the flag
+        # What a GPU engine captures without the flag: the prefill chunk, at most AUTO_MAX_TOKENS.
+        assert auto_max_tokens(runner.model, 40) == 40 and auto_max_tokens(runner.model, 32768) == 8192
         graphs = PrefillGraphs(
             model=runner.model, attn=runner.attn, kv=runner.kv, max_tokens=40, device=runner.device
         )
@@ -71,6 +71,7 @@ def test_pieces_over_static_buffers_give_the_forwards_tokens(tmp_path: Path, arc
         graphs.run = lambda fb, size: used.append(size) or run(fb, size)  # type: ignore[method-assign]
         got = llm.generate(prompts, params)
     assert graphs.sizes == [16, 32, 40] and used == [40] * 11 + [32]
+    assert graphs.bucket(41) is None and graphs.bucket(17) == 32  # larger steps run eager
     context = max(map(len, prompts)) + 6
     tie = 2 * logits_tolerance(model, context)
     tol = logprob_tolerance(model, context)
@@ -116,7 +117,7 @@ def test_moe_pieces_give_the_forwards_tokens(tmp_path: Path) -> None:
         ref = llm.generate(prompts, params)
     with LLM(model, page_size=4) as llm:
         r = llm.engine.runner
-        assert piecewise_applies(r.model) is None and not piecewise_by_default(r.model)
+        assert piecewise_applies(r.model) is None and auto_max_tokens(r.model, 8192) == 0
         r.prefill_graphs = PrefillGraphs(model=r.model, attn=r.attn, kv=r.kv, max_tokens=512, device=r.device)
         got = llm.generate(prompts, params)
     tie = 2 * logits_tolerance(model, context=100)
