@@ -221,9 +221,7 @@ case "$mode" in
     python3 benchmark/compile_table.py "$OUT/compile25.jsonl" "$OUT/trace25.jsonl" | tee "$OUT/compile25.txt"
     ;;
   exthost)  # an extend step's host time against its device time, by shape (benchmark/extend_host.py): eager, then
-            # through piecewise CUDA graphs (engine/piecewise_graph.py, up to 8192 tokens), after their GPU tests. ~3 min
-    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/unit/engine/test_piecewise_graph.py 2>&1 | tail -15 \
-      | tee "$OUT/pw_tests.txt"
+            # through piecewise CUDA graphs (engine/piecewise_graph.py, up to 8192 tokens; their GPU tests: pwtests). ~2 min
     for pw in 0 8192; do
       timeout 150 python3 benchmark/extend_host.py --model Qwen3-0.6B --piecewise-cuda-graph-max-tokens $pw \
         --shapes 1x8,1x1000,16x512,8x1024 --json "$OUT/exthost_pw$pw.jsonl" 2>&1 | grep -v Warn | tee "$OUT/exthost_pw$pw.txt"
