@@ -1,9 +1,9 @@
 """Piecewise CUDA graphs for extend (prefill) steps: the forward cut at its attention kernels.
 
 An eager extend step pays the host for every op of every layer (Python, aten dispatch, a Triton or cuBLAS
-launch each) whatever its size: on the lent H100 an 8-token prefill of Qwen3-0.6B took ~14 ms to launch where
-its kernels need ~1.5 ms, so a served burst's first, small prefill steps (one or two requests that arrived
-before the rest) each held the GPU for 16-22 ms. As vLLM's piecewise CUDA graphs and SGLang's
+launch each) whatever its size: on the lent H100s an 8-token prefill of Qwen3-0.6B took 14-22 ms to launch
+(two hosts; benchmark/extend_host.py) where its kernels need ~1.5 ms, so a served burst's first, small prefill
+steps (one or two requests that arrived before the rest) each held the GPU that long. As vLLM's piecewise CUDA graphs and SGLang's
 `--enable-piecewise-cuda-graph` do, the pieces between attention kernels are captured once per token bucket,
 and an extend step of T tokens replays the smallest bucket >= T: L + 1 graph replays (L layers), with the L
 attention calls eager between them (their shapes follow the batch's requests, which no graph can fix).
