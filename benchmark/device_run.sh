@@ -232,11 +232,13 @@ case "$mode" in
       2>&1 | tail -8 | tee "$OUT/pw_gemv_tests.txt"
     ;;
   gemv25)  # issue 25: the small-batch projection kernel (kernels/gemv.py, KUBESGL_GEMV): its kernel_bench part, then
-          # the decode step's kernel trace at bs 1 and 4 with it off and on (its tests: pwtests). ~2 min
+          # the decode step's kernel trace at bs 1 and 4: off, on, on with SiLU·mul folded in (tests: pwtests). ~3 min
     timeout 90 python3 benchmark/kernel_bench.py --part gemv --json "$OUT/kb_gemv.jsonl" 2>&1 | grep -v Warn | tail -40 > "$OUT/kb_gemv.txt"
-    for g in 0 1; do
-      KUBESGL_GEMV=$g timeout 100 python3 benchmark/kernel_trace.py --model Qwen3-0.6B --batch-sizes 1,4 --context 800 \
-        --page-size 16 --top 14 --json "$OUT/trace_gemv$g.jsonl" 2>&1 | grep -v Warn > "$OUT/trace_gemv$g.txt"
+    for g in "0 0" "1 0" "1 1"; do  # off, the GEMV, the GEMV with the gate_up's SiLU·mul folded in (KUBESGL_GEMV_SILU)
+      read -r on silu <<< "$g"
+      KUBESGL_GEMV=$on KUBESGL_GEMV_SILU=$silu timeout 100 python3 benchmark/kernel_trace.py --model Qwen3-0.6B \
+        --batch-sizes 1,4 --context 800 --page-size 16 --top 14 --json "$OUT/trace_gemv$on$silu.jsonl" 2>&1 \
+        | grep -v Warn > "$OUT/trace_gemv$on$silu.txt"
     done
     ;;
   peers)  # Mini-SGLang on the same workload (benchmark/peers.sh; .gpu/minisgl carried) -> $OUT/peers.jsonl

@@ -47,6 +47,12 @@ def gemv() -> bool:
     return os.environ.get("KUBESGL_GEMV") in _TRUE
 
 
+def gemv_silu() -> bool:
+    """KUBESGL_GEMV_SILU = 1/true, with KUBESGL_GEMV on: a dense MLP's gate_up projection of up to 4 rows and its
+    SiLU·mul run as one GEMV kernel (kernels/gemv.py)."""
+    return os.environ.get("KUBESGL_GEMV_SILU") in _TRUE
+
+
 def cache_dir() -> Path:
     """Where the demo model is built: $KUBESGL_CACHE, else ~/.cache/kubesgl."""
     return Path(os.environ.get("KUBESGL_CACHE") or Path.home() / ".cache" / "kubesgl")

@@ -5,6 +5,8 @@ microseconds of fixed cost each beyond their bytes, and cuBLAS's launches take n
 (docs/performance.md, issue 25). `gemv_triton` holds each program's weight slice in registers, loaded before
 it waits on the previous kernel, so the weight stream starts while a small norm or attention kernel still runs.
 Switched on by KUBESGL_GEMV until measured on a device (like KUBESGL_FUSED_MLP); `linear` is F.linear otherwise.
+With KUBESGL_GEMV_SILU on as well, `gate_up_silu` folds a dense MLP's SiLU·mul into its gate_up GEMV (one kernel
+and one boundary less per layer).
 Its float32 sums are in another order than cuBLAS's: outputs differ within the dtype's rounding.
 """
 
@@ -40,3 +42,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
         return gemv_triton.gemv(x, weight)
     return F.linear(x, weight, bias)
+
+
+def gate_up_silu(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor | None:
+    """silu(x @ gate.T) * (x @ up.T) for gate_up = [gate; up] [2I, K] as one GEMV kernel where `gemv_applies`
+    and KUBESGL_GEMV_SILU is on; None otherwise (the caller runs the projection and SiluAndMul)."""
+    if not (gemv_applies(x, gate_up) and env.gemv_silu()):
+        return None
+    from kubesgl.kernels import gemv_triton
+
+    return gemv_triton.gemv_silu_mul(x, gate_up)

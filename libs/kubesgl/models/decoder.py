@@ -17,6 +17,7 @@ from kubesgl.distributed import TPGroup
 from kubesgl.errors import UnsupportedModelError
 from kubesgl.kernels.dispatch import use_triton
 from kubesgl.kernels.fused_mlp import fused_mlp, fused_mlp_applies
+from kubesgl.kernels.gemv import gate_up_silu
 from kubesgl.layers import opaque
 from kubesgl.layers.activation import SiluAndMul
 from kubesgl.layers.attention import Attention
@@ -144,6 +145,8 @@ class DenseMLP(nn.Module):
         """[T, H] -> [T, H]; float32 from the fused small-batch kernel, which only a residual norm reads."""
         if self.fusable and fused_mlp_applies(x):
             return fused_mlp(x, self.gate_up_proj.weight, self.down_proj.weight)
+        if self.gate_up_proj.bias is None and (act := gate_up_silu(x, self.gate_up_proj.weight)) is not None:
+            return self.down_proj(act)
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 

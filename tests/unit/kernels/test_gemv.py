@@ -12,8 +12,10 @@ import torch
 import torch.nn.functional as F
 from kubesgl.distributed import TPGroup
 from kubesgl.kernels import gemv_triton
-from kubesgl.kernels.gemv import GEMV_MAX_K, GEMV_MAX_ROWS, gemv_applies, linear
+from kubesgl.kernels.activation_triton import silu_and_mul
+from kubesgl.kernels.gemv import GEMV_MAX_K, GEMV_MAX_ROWS, gate_up_silu, gemv_applies, linear
 from kubesgl.layers.linear import QKVParallelLinear, RowParallelLinear
+from kubesgl.models.decoder import DenseMLP
 from support.numerics import reorder_bound, unit_roundoff
 
 CUDA = torch.cuda.is_available()
@@ -38,6 +40,31 @@ def test_triton_gemv_matches_linear(m: int, n: int, k: int) -> None:
     out = gemv_triton.gemv(x, w)
     assert out.dtype == torch.float32
     assert rel_err(out, F.linear(x, w)) < reorder_bound(torch.float32, k)
+
+
+@cpu_interpreter
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 24, 96), (3, 7, 64), (4, 5, 200)])
+def test_triton_gemv_silu_mul_matches_projection_then_silu_mul(m: int, n: int, k: int) -> None:
+    """The [gate; up] halves are found at N rows apart, whatever N's width (masked rows and columns)."""
+    x, w = randn(m, k, seed=m), randn(2 * n, k, seed=n, scale=k**-0.5)
+    out = gemv_triton.gemv_silu_mul(x, w)
+    assert out.shape == (m, n) and out.dtype == torch.float32
+    gate, up = F.linear(x, w).chunk(2, dim=-1)
+    # silu(g) * u moves with g by at most |u| * max|silu'| (< 1.1) and with u by |silu(g)| (< |g| + 0.3).
+    assert rel_err(out, F.silu(gate) * up) < 4 * reorder_bound(torch.float32, k)
+
+
+def test_gemv_silu_mul_needs_gate_and_up_halves() -> None:
+    with pytest.raises(ValueError, match="not \\[gate; up\\]"):
+        gemv_triton.gemv_silu_mul(torch.zeros(1, 4), torch.zeros(3, 4))
+
+
+def test_gate_up_silu_is_off_unless_both_switches_are_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    x, w = randn(1, 16, seed=1), randn(8, 16, seed=2)
+    monkeypatch.setenv("KUBESGL_GEMV_SILU", "1")
+    assert gate_up_silu(x, w) is None  # KUBESGL_GEMV off (and a CPU tensor)
+    monkeypatch.setenv("KUBESGL_GEMV", "1")
+    assert gate_up_silu(x, w) is None  # a CPU tensor
 
 
 def test_gemv_rejects_more_rows_or_mismatched_widths() -> None:
@@ -122,3 +149,32 @@ def test_gpu_projections_agree_with_the_switch_on_and_off(monkeypatch: pytest.Mo
     assert not gemv_applies(
         torch.zeros(1, GEMV_MAX_K + 1, device="cuda"), torch.zeros(8, GEMV_MAX_K + 1, device="cuda")
     )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("m", [1, 3])
+def test_gpu_gemv_silu_mul_matches_the_two_kernels(m: int) -> None:
+    """Qwen3-0.6B's gate_up (K 1024, 2 x 3072): the fused kernel against the projection, rounded to bf16, then
+    the SiLU·mul kernel, each rounding where the two-kernel path rounds."""
+    x = randn(m, 1024, seed=m).to("cuda", torch.bfloat16)
+    w = randn(6144, 1024, seed=11, scale=1024**-0.5).to("cuda", torch.bfloat16)
+    two_kernels = silu_and_mul(F.linear(x.float(), w.float()).to(torch.bfloat16))
+    assert rel_err(gemv_triton.gemv_silu_mul(x, w), two_kernels) < 4 * unit_roundoff(torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_gpu_dense_mlp_agrees_with_the_silu_gemv_on_and_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    mlp = DenseMLP(1024, 3072, bias=False, tp=TPGroup()).to("cuda", torch.bfloat16)
+    for i, layer in enumerate((mlp.gate_up_proj, mlp.down_proj)):
+        layer.weight.data.copy_(randn(*layer.weight.shape, seed=i, scale=layer.weight.shape[1] ** -0.5))
+    x = randn(2, 1024, seed=5).to("cuda", torch.bfloat16)
+    monkeypatch.setenv("KUBESGL_GEMV", "1")
+    monkeypatch.setenv("KUBESGL_GEMV_SILU", "1")
+    assert gate_up_silu(x, mlp.gate_up_proj.weight) is not None
+    on = mlp(x)
+    monkeypatch.setenv("KUBESGL_GEMV_SILU", "0")
+    assert gate_up_silu(x, mlp.gate_up_proj.weight) is None
+    # down's sums over 3072 terms, each input within a bf16 rounding of the other path's.
+    assert rel_err(on, mlp(x)) < 8 * unit_roundoff(torch.bfloat16)
