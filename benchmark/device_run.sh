@@ -232,14 +232,20 @@ case "$mode" in
       2>&1 | tail -8 | tee "$OUT/pw_gemv_tests.txt"
     ;;
   gemv25)  # issue 25: the small-batch projection kernel (kernels/gemv.py, KUBESGL_GEMV): its kernel_bench part, then
-          # the decode step's kernel trace at bs 1 and 4: off, on, on with SiLU·mul folded in (tests: pwtests). ~3 min
+          # the decode step's kernel trace at bs 1 and 4 for each fold (tests: pwtests). ~3 min
     timeout 90 python3 benchmark/kernel_bench.py --part gemv --json "$OUT/kb_gemv.jsonl" 2>&1 | grep -v Warn | tail -40 > "$OUT/kb_gemv.txt"
-    for g in "0 0" "1 0" "1 1"; do  # off, the GEMV, the GEMV with the gate_up's SiLU·mul folded in (KUBESGL_GEMV_SILU)
-      read -r on silu <<< "$g"
-      KUBESGL_GEMV=$on KUBESGL_GEMV_SILU=$silu timeout 100 python3 benchmark/kernel_trace.py --model Qwen3-0.6B \
-        --batch-sizes 1,4 --context 800 --page-size 16 --top 14 --json "$OUT/trace_gemv$on$silu.jsonl" 2>&1 \
-        | grep -v Warn > "$OUT/trace_gemv$on$silu.txt"
+    # off; the GEMV; with the gate_up's SiLU·mul folded in; with the norms before qkv and gate_up folded in too
+    # (the default): KUBESGL_GEMV, KUBESGL_GEMV_SILU, KUBESGL_GEMV_NORM
+    for g in ${GEMV_CASES:-000 100 110 111}; do
+      KUBESGL_GEMV=${g:0:1} KUBESGL_GEMV_SILU=${g:1:1} KUBESGL_GEMV_NORM=${g:2:1} timeout 100 python3 \
+        benchmark/kernel_trace.py --model Qwen3-0.6B --batch-sizes 1,4 --context 800 --page-size 16 --top 14 \
+        --json "$OUT/trace_gemv$g.jsonl" 2>&1 | grep -v Warn > "$OUT/trace_gemv$g.txt"
+      grep "^== bs" "$OUT/trace_gemv$g.txt" | sed "s/^/gemv $g: /"
     done
+    ;;
+  parity)  # the engine's GPU parity tests (bf16 against HF, every backend) with today's defaults
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/unit/engine/test_gpu_parity.py 2>&1 | tail -3 \
+      | tee "$OUT/gpu_parity.txt"
     ;;
   peers)  # Mini-SGLang on the same workload (benchmark/peers.sh; .gpu/minisgl carried) -> $OUT/peers.jsonl
     bash benchmark/peers.sh

@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 _TRUE = ("1", "true", "True")
+_FALSE = ("0", "false", "False")
 
 
 def disable_overlap_scheduling() -> bool:
@@ -43,14 +44,21 @@ def fused_mlp() -> bool:
 
 
 def gemv() -> bool:
-    """KUBESGL_GEMV = 1/true: projections of up to 4 rows run as one Triton GEMV kernel (kernels/gemv.py)."""
-    return os.environ.get("KUBESGL_GEMV") in _TRUE
+    """Projections of up to 4 rows run as one Triton GEMV kernel on CUDA (kernels/gemv.py) unless KUBESGL_GEMV =
+    0/false (cuBLAS then, for ablations)."""
+    return os.environ.get("KUBESGL_GEMV") not in _FALSE
 
 
 def gemv_silu() -> bool:
-    """KUBESGL_GEMV_SILU = 1/true, with KUBESGL_GEMV on: a dense MLP's gate_up projection of up to 4 rows and its
-    SiLU·mul run as one GEMV kernel (kernels/gemv.py)."""
-    return os.environ.get("KUBESGL_GEMV_SILU") in _TRUE
+    """With the GEMV on, a dense MLP's gate_up projection of up to 4 rows and its SiLU·mul run as one kernel
+    (kernels/gemv.py) unless KUBESGL_GEMV_SILU = 0/false."""
+    return os.environ.get("KUBESGL_GEMV_SILU") not in _FALSE
+
+
+def gemv_norm() -> bool:
+    """With the GEMV on, the RMSNorm before a decoder's qkv and gate_up projections of up to 4 rows runs inside
+    the projection's kernel (kernels/gemv.py) unless KUBESGL_GEMV_NORM = 0/false."""
+    return os.environ.get("KUBESGL_GEMV_NORM") not in _FALSE
 
 
 def cache_dir() -> Path:

@@ -17,7 +17,7 @@ from kubesgl.distributed import TPGroup
 from kubesgl.errors import UnsupportedModelError
 from kubesgl.kernels.dispatch import use_triton
 from kubesgl.kernels.fused_mlp import fused_mlp, fused_mlp_applies
-from kubesgl.kernels.gemv import gate_up_silu
+from kubesgl.kernels.gemv import gate_up_silu, norm_linear
 from kubesgl.layers import opaque
 from kubesgl.layers.activation import SiluAndMul
 from kubesgl.layers.attention import Attention
@@ -141,6 +141,19 @@ class DenseMLP(nn.Module):
         # The one-kernel decode MLP has no bias and no all-reduce (kernels/fused_mlp.py).
         self.fusable = tp.size == 1 and not bias
 
+    def after_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`norm` (with its residual add) and this MLP, the norm inside the gate_up GEMV (kernels/gemv.py):
+        (output, residual); None where that does not apply (the caller runs the norm, then `forward`)."""
+        if (self.fusable and fused_mlp_applies(x)) or self.gate_up_proj.bias is not None:
+            return None
+        fused = norm_linear(x, residual, norm.weight, norm.eps, self.gate_up_proj.weight, silu=True)
+        if fused is None:
+            return None
+        act, residual = fused
+        return self.down_proj(act), residual
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[T, H] -> [T, H]; float32 from the fused small-batch kernel, which only a residual norm reads."""
         if self.fusable and fused_mlp_applies(x):
@@ -163,8 +176,19 @@ class DecoderLayer(nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, fb: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden, residual = self._input_norm(hidden, residual)
-        return self._mlp_block(self.self_attn(positions, hidden, fb), residual)
+        attn = self.self_attn
+        norm = self.input_layernorm
+        qkv_w = attn.qkv_proj.weight
+        fused = (
+            None
+            if attn.qkv_proj.bias is not None
+            else norm_linear(hidden, residual, norm.weight, norm.eps, qkv_w)
+        )
+        if fused is None:
+            hidden, residual = self._input_norm(hidden, residual)
+            return self._mlp_block(attn(positions, hidden, fb), residual)
+        qkv, residual = fused  # the input norm inside the qkv GEMV (a decode step of a few rows on CUDA)
+        return self._mlp_block(attn.o_proj(attn.attend(qkv, positions, fb)), residual)
 
     def _input_norm(
         self, hidden: torch.Tensor, residual: torch.Tensor | None
@@ -174,6 +198,10 @@ class DecoderLayer(nn.Module):
         return self.input_layernorm(hidden, residual)
 
     def _mlp_block(self, hidden: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(self.mlp, DenseMLP):
+            fused = self.mlp.after_norm(hidden, residual, self.post_attention_layernorm)
+            if fused is not None:
+                return fused
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 

@@ -10,11 +10,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from kubesgl import env
 from kubesgl.distributed import TPGroup
-from kubesgl.kernels import gemv_triton
+from kubesgl.kernels import gemv_triton, norm_triton
 from kubesgl.kernels.activation_triton import silu_and_mul
-from kubesgl.kernels.gemv import GEMV_MAX_K, GEMV_MAX_ROWS, gate_up_silu, gemv_applies, linear
+from kubesgl.kernels.gemv import GEMV_MAX_K, GEMV_MAX_ROWS, gate_up_silu, gemv_applies, linear, norm_linear
+from kubesgl.kernels.norm import rms_norm_torch
 from kubesgl.layers.linear import QKVParallelLinear, RowParallelLinear
+from kubesgl.layers.norm import RMSNorm
 from kubesgl.models.decoder import DenseMLP
 from support.numerics import reorder_bound, unit_roundoff
 
@@ -54,17 +57,47 @@ def test_triton_gemv_silu_mul_matches_projection_then_silu_mul(m: int, n: int, k
     assert rel_err(out, F.silu(gate) * up) < 4 * reorder_bound(torch.float32, k)
 
 
+@cpu_interpreter
+@pytest.mark.parametrize(
+    ("m", "with_residual", "silu"), [(1, True, False), (3, True, True), (2, False, True)]
+)
+def test_triton_norm_gemv_matches_norm_then_projection(m: int, with_residual: bool, silu: bool) -> None:
+    """The RMSNorm (and residual add) inside the GEMV against the torch norm, then F.linear (then silu·mul);
+    K = 200 is not a power of two, so the norm's sum is masked too."""
+    k, n = 200, 24
+    x, res = randn(m, k, seed=m), randn(m, k, seed=m + 10)
+    norm_w, w = randn(k, seed=3) + 1.0, randn(2 * n if silu else n, k, seed=4, scale=k**-0.5)
+    out, summed = gemv_triton.norm_gemv(x, res if with_residual else None, norm_w, 1e-6, w, silu=silu)
+    want_sum = x + res if with_residual else x
+    assert torch.equal(summed, want_sum)  # program 0's store; the input itself without a residual
+    ref = F.linear(rms_norm_torch(want_sum, norm_w, 1e-6), w)
+    if silu:
+        gate, up = ref.chunk(2, dim=-1)
+        ref = F.silu(gate) * up
+    assert rel_err(out, ref) < 4 * reorder_bound(torch.float32, k)
+
+
+def test_norm_gemv_needs_the_norm_weight_in_x_dtype() -> None:
+    with pytest.raises(ValueError, match="norm weight"):
+        gemv_triton.norm_gemv(
+            torch.zeros(1, 4), None, torch.ones(4, dtype=torch.float64), 1e-6, torch.zeros(2, 4)
+        )
+
+
 def test_gemv_silu_mul_needs_gate_and_up_halves() -> None:
     with pytest.raises(ValueError, match="not \\[gate; up\\]"):
         gemv_triton.gemv_silu_mul(torch.zeros(1, 4), torch.zeros(3, 4))
 
 
-def test_gate_up_silu_is_off_unless_both_switches_are_on(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gate_up_silu_stays_off_on_cpu_and_when_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
     x, w = randn(1, 16, seed=1), randn(8, 16, seed=2)
-    monkeypatch.setenv("KUBESGL_GEMV_SILU", "1")
-    assert gate_up_silu(x, w) is None  # KUBESGL_GEMV off (and a CPU tensor)
-    monkeypatch.setenv("KUBESGL_GEMV", "1")
+    monkeypatch.delenv("KUBESGL_GEMV", raising=False)
+    monkeypatch.delenv("KUBESGL_GEMV_SILU", raising=False)
     assert gate_up_silu(x, w) is None  # a CPU tensor
+    assert norm_linear(x, None, torch.ones(16), 1e-6, w) is None  # a CPU tensor
+    monkeypatch.setenv("KUBESGL_GEMV_SILU", "0")
+    monkeypatch.setenv("KUBESGL_GEMV_NORM", "false")
+    assert not env.gemv_silu() and not env.gemv_norm()
 
 
 def test_gemv_rejects_more_rows_or_mismatched_widths() -> None:
@@ -76,10 +109,13 @@ def test_gemv_rejects_more_rows_or_mismatched_widths() -> None:
 
 def test_linear_stays_on_torch_off_cuda_or_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
     x, w, b = randn(2, 16, seed=1), randn(8, 16, seed=2), randn(8, seed=3)
-    monkeypatch.setenv("KUBESGL_GEMV", "1")
+    monkeypatch.delenv("KUBESGL_GEMV", raising=False)
+    assert env.gemv() and env.gemv_silu()  # on by default
     assert not gemv_applies(x, w)  # a CPU tensor
     assert torch.equal(linear(x, w, b), F.linear(x, w, b))
-    monkeypatch.delenv("KUBESGL_GEMV")
+    for off in ("0", "false"):
+        monkeypatch.setenv("KUBESGL_GEMV", off)
+        assert not env.gemv()
     assert torch.equal(linear(x, w), F.linear(x, w))
 
 
@@ -178,3 +214,47 @@ def test_gpu_dense_mlp_agrees_with_the_silu_gemv_on_and_off(monkeypatch: pytest.
     assert gate_up_silu(x, mlp.gate_up_proj.weight) is None
     # down's sums over 3072 terms, each input within a bf16 rounding of the other path's.
     assert rel_err(on, mlp(x)) < 8 * unit_roundoff(torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("m", [1, 4])
+def test_gpu_norm_gemv_matches_the_norm_kernel_then_the_gemv(m: int) -> None:
+    """Qwen3-0.6B's input norm and qkv (K 1024, N 4096) in bf16: the residual stream is the norm kernel's, bit
+    for bit; the projection is within a bf16 rounding of the two kernels' (the norm's sum of squares may
+    land in another order, and one bf16 rounding of the normed input may then differ)."""
+    x = randn(m, 1024, seed=m).to("cuda", torch.bfloat16)
+    res = randn(m, 1024, seed=m + 1).to("cuda", torch.bfloat16)
+    norm_w = (randn(1024, seed=2) * 0.1 + 1.0).to("cuda", torch.bfloat16)
+    w = randn(4096, 1024, seed=3, scale=1024**-0.5).to("cuda", torch.bfloat16)
+    normed, summed = norm_triton.fused_add_rms_norm(x, res, norm_w, 1e-6)
+    out, fused_sum = gemv_triton.norm_gemv(x, res, norm_w, 1e-6, w)
+    assert torch.equal(fused_sum, summed)
+    assert rel_err(out, gemv_triton.gemv(normed, w)) < 4 * unit_roundoff(torch.bfloat16)
+    first, same_x = gemv_triton.norm_gemv(x, None, norm_w, 1e-6, w)  # the first layer: no residual yet
+    assert same_x is x
+    assert rel_err(first, gemv_triton.gemv(norm_triton.rms_norm(x, norm_w, 1e-6), w)) < 4 * unit_roundoff(
+        torch.bfloat16
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_gpu_dense_mlp_after_its_norm_agrees_with_the_norm_then_the_mlp(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    mlp = DenseMLP(1024, 3072, bias=False, tp=TPGroup()).to("cuda", torch.bfloat16)
+    norm = RMSNorm(1024).to("cuda", torch.bfloat16)
+    norm.weight.data.copy_(randn(1024, seed=9) * 0.1 + 1.0)
+    for i, layer in enumerate((mlp.gate_up_proj, mlp.down_proj)):
+        layer.weight.data.copy_(randn(*layer.weight.shape, seed=i, scale=layer.weight.shape[1] ** -0.5))
+    x, res = (randn(2, 1024, seed=s).to("cuda", torch.bfloat16) for s in (5, 6))
+    for var in ("KUBESGL_GEMV", "KUBESGL_GEMV_SILU", "KUBESGL_GEMV_NORM"):
+        monkeypatch.delenv(var, raising=False)
+    fused = mlp.after_norm(x, res, norm)
+    assert fused is not None
+    normed, summed = norm(x, res)
+    assert torch.equal(fused[1], summed)
+    assert rel_err(fused[0], mlp(normed)) < 8 * unit_roundoff(torch.bfloat16)
+    monkeypatch.setenv("KUBESGL_GEMV_NORM", "0")
+    assert mlp.after_norm(x, res, norm) is None
