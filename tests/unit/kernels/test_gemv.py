@@ -96,8 +96,8 @@ def test_gate_up_silu_stays_off_on_cpu_and_when_switched_off(monkeypatch: pytest
     assert gate_up_silu(x, w) is None  # a CPU tensor
     assert norm_linear(x, None, torch.ones(16), 1e-6, w) is None  # a CPU tensor
     monkeypatch.setenv("KUBESGL_GEMV_SILU", "0")
-    monkeypatch.setenv("KUBESGL_GEMV_NORM", "false")
-    assert not env.gemv_silu() and not env.gemv_norm()
+    monkeypatch.delenv("KUBESGL_GEMV_NORM", raising=False)
+    assert not env.gemv_silu() and not env.gemv_norm()  # the norm fold: opt-in
 
 
 def test_gemv_rejects_more_rows_or_mismatched_widths() -> None:
@@ -249,8 +249,9 @@ def test_gpu_dense_mlp_after_its_norm_agrees_with_the_norm_then_the_mlp(
     for i, layer in enumerate((mlp.gate_up_proj, mlp.down_proj)):
         layer.weight.data.copy_(randn(*layer.weight.shape, seed=i, scale=layer.weight.shape[1] ** -0.5))
     x, res = (randn(2, 1024, seed=s).to("cuda", torch.bfloat16) for s in (5, 6))
-    for var in ("KUBESGL_GEMV", "KUBESGL_GEMV_SILU", "KUBESGL_GEMV_NORM"):
+    for var in ("KUBESGL_GEMV", "KUBESGL_GEMV_SILU"):
         monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("KUBESGL_GEMV_NORM", "1")
     fused = mlp.after_norm(x, res, norm)
     assert fused is not None
     normed, summed = norm(x, res)
