@@ -176,14 +176,10 @@ class DecoderLayer(nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, fb: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        attn = self.self_attn
-        norm = self.input_layernorm
-        qkv_w = attn.qkv_proj.weight
-        fused = (
-            None
-            if attn.qkv_proj.bias is not None
-            else norm_linear(hidden, residual, norm.weight, norm.eps, qkv_w)
-        )
+        attn, norm = self.self_attn, self.input_layernorm
+        fused = None
+        if attn.qkv_proj.bias is None:
+            fused = norm_linear(hidden, residual, norm.weight, norm.eps, attn.qkv_proj.weight)
         if fused is None:
             hidden, residual = self._input_norm(hidden, residual)
             return self._mlp_block(attn(positions, hidden, fb), residual)

@@ -7,11 +7,16 @@ decoder's projections with the switch on against off.
 
 from __future__ import annotations
 
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
 from kubesgl import env
 from kubesgl.distributed import TPGroup
+from kubesgl.kernels import gemv as gemv_module
 from kubesgl.kernels import gemv_triton, norm_triton
 from kubesgl.kernels.activation_triton import silu_and_mul
 from kubesgl.kernels.gemv import GEMV_MAX_K, GEMV_MAX_ROWS, gate_up_silu, gemv_applies, linear, norm_linear
@@ -19,7 +24,11 @@ from kubesgl.kernels.norm import rms_norm_torch
 from kubesgl.layers.linear import QKVParallelLinear, RowParallelLinear
 from kubesgl.layers.norm import RMSNorm
 from kubesgl.models.decoder import DenseMLP
-from support.numerics import reorder_bound, unit_roundoff
+from kubesgl.models.loader import load_model
+from kubesgl.models.random_init import build_random_model
+from support.model_helpers import SingleRequestRunner
+from support.numerics import logits_tolerance, reorder_bound, unit_roundoff
+from transformers import AutoModelForCausalLM
 
 CUDA = torch.cuda.is_available()
 cpu_interpreter = pytest.mark.skipif(CUDA, reason="the GPU tests cover the kernel compiled")
@@ -259,3 +268,45 @@ def test_gpu_dense_mlp_after_its_norm_agrees_with_the_norm_then_the_mlp(
     assert rel_err(fused[0], mlp(normed)) < 8 * unit_roundoff(torch.bfloat16)
     monkeypatch.setenv("KUBESGL_GEMV_NORM", "0")
     assert mlp.after_norm(x, res, norm) is None
+
+
+# --- The decoder's wiring, on CPU: the GEMV and every fold in Triton's interpreter --------------------------
+
+
+@cpu_interpreter
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_decode_steps_through_every_gemv_fold_match_hf(
+    arch: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A small random model's decode steps (one row each) with the GEMV, the SiLU fold and the norm folds on,
+    against HF. CUDA's part is played by a named stand-in: `kernels.gemv.use_triton` accepts CPU tensors, so the
+    interpreter runs the kernels; everything else takes its CPU path. The calls are counted, so the test fails
+    if the decoder stops reaching them."""
+    monkeypatch.setattr(gemv_module, "use_triton", lambda x: True)  # stand-in for a CUDA device
+    for var in ("KUBESGL_GEMV", "KUBESGL_GEMV_SILU", "KUBESGL_GEMV_NORM"):
+        monkeypatch.setenv(var, "1")
+    calls: Counter[tuple[bool, bool, bool]] = Counter()
+    launch = gemv_triton._launch
+
+    def counted(x: torch.Tensor, w: torch.Tensor, **kw: Any) -> Any:
+        calls[(kw.get("norm_weight") is not None, kw.get("residual") is not None, kw.get("silu", False))] += 1
+        return launch(x, w, **kw)
+
+    monkeypatch.setattr(gemv_triton, "_launch", counted)
+    checkpoint = build_random_model(arch, tmp_path / arch, overrides={"num_hidden_layers": 2})
+    model = load_model(checkpoint)
+    ids = torch.randint(0, model.vocab_size, (16,), generator=torch.Generator().manual_seed(3)).tolist()
+    runner = SingleRequestRunner(model, 16)
+    steps = [runner.step(ids[:12])] + [runner.step([t]) for t in ids[12:]]
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+    tol = logits_tolerance(checkpoint, context=len(ids))
+    torch.testing.assert_close(torch.cat(steps), ref, rtol=0, atol=tol)
+    decode_steps, layers = 4, 2
+    assert calls == {
+        (True, False, False): decode_steps,  # layer 0's input norm (no residual yet) in its qkv GEMV
+        (True, True, False): decode_steps * (layers - 1),  # the later layers' input norms
+        (True, True, True): decode_steps * layers,  # the residual norm and SiLU·mul in gate_up's GEMV
+        (False, False, False): decode_steps * layers * 2,  # o and down
+    }
