@@ -77,6 +77,7 @@ class DetokenizerService:
                 return
             refused: dict[int, str] = {}
             by_gateway: dict[str, list[TextDelta]] = {}
+            decoded = 0
             for i, entry in enumerate(batch.deltas):
                 try:
                     delta = TokenDelta.from_bytes(entry)
@@ -86,6 +87,8 @@ class DetokenizerService:
                     refused[i] = str(e)
                     continue
                 by_gateway.setdefault(subject, []).append(self._decode(delta))
+                decoded += len(delta.tokens) - delta.new_from
+            self.metrics.on_decoded(decoded)  # once per batch: a counter's lock per delta cost ~0.3 µs each
             for subject, texts in by_gateway.items():
                 await self._publish(subject, texts)
             if refused:
@@ -103,7 +106,6 @@ class DetokenizerService:
                 text = self.text_delta(delta)
         else:
             text = self.text_delta(delta)
-        self.metrics.on_decoded(len(delta.tokens) - delta.new_from)
         return text
 
     async def _publish(self, subject: str, texts: list[TextDelta]) -> None:

