@@ -234,8 +234,8 @@ case "$mode" in
   gemv25)  # issue 25: the small-batch projection kernel (kernels/gemv.py, KUBESGL_GEMV): its kernel_bench part, then
           # the decode step's kernel trace at bs 1 and 4 for each fold (tests: pwtests). ~3 min
     timeout 90 python3 benchmark/kernel_bench.py --part gemv --json "$OUT/kb_gemv.jsonl" 2>&1 | grep -v Warn | tail -40 > "$OUT/kb_gemv.txt"
-    # off; the GEMV; with the gate_up's SiLU·mul folded in; with the norms before qkv and gate_up folded in too
-    # (the default): KUBESGL_GEMV, KUBESGL_GEMV_SILU, KUBESGL_GEMV_NORM
+    # off; the GEMV; with the gate_up's SiLU·mul folded in (the default); with the norms before qkv and gate_up
+    # folded in too (opt-in until measured): KUBESGL_GEMV, KUBESGL_GEMV_SILU, KUBESGL_GEMV_NORM
     for g in ${GEMV_CASES:-000 100 110 111}; do
       KUBESGL_GEMV=${g:0:1} KUBESGL_GEMV_SILU=${g:1:1} KUBESGL_GEMV_NORM=${g:2:1} timeout 100 python3 \
         benchmark/kernel_trace.py --model Qwen3-0.6B --batch-sizes 1,4 --context 800 --page-size 16 --top 14 \

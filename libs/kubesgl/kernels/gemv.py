@@ -75,6 +75,8 @@ def norm_linear(
         return None
     if x.dtype != norm_weight.dtype or (residual is not None and residual.dtype != x.dtype):
         return None  # a float32 sum from the fused MLP: its norm rounds into the residual's dtype first
+    if residual is not None and (residual.shape != x.shape or not residual.is_contiguous()):
+        return None
     from kubesgl.kernels import gemv_triton
 
     return gemv_triton.norm_gemv(x, residual, norm_weight, eps, weight, silu=silu)
