@@ -48,10 +48,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-def gate_up_silu(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor | None:
-    """silu(x @ gate.T) * (x @ up.T) for gate_up = [gate; up] [2I, K] as one GEMV kernel where `gemv_applies`
-    and KUBESGL_GEMV_SILU is on; None otherwise (the caller runs the projection and SiluAndMul)."""
-    if not (gemv_applies(x, gate_up) and env.gemv_silu()):
+def gate_up_silu(
+    x: torch.Tensor, gate_up: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    """silu(x @ gate.T) * (x @ up.T) for gate_up = [gate; up] [2I, K] as one GEMV kernel where `gemv_applies`,
+    there is no bias and KUBESGL_GEMV_SILU is on; None otherwise (the caller runs the projection and SiluAndMul)."""
+    if bias is not None or not (gemv_applies(x, gate_up) and env.gemv_silu()):
         return None
     from kubesgl.kernels import gemv_triton
 
@@ -64,14 +66,17 @@ def norm_linear(
     norm_weight: torch.Tensor,
     eps: float,
     weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
     *,
     silu: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """An RMSNorm (with its residual add) and the projection after it as one GEMV kernel: (projection, or
-    silu·mul of [gate; up] when `silu`, of norm(x + residual), x + residual) where `gemv_applies`, x and the
-    residual share the norm weight's dtype and KUBESGL_GEMV_NORM=1 (and for `silu` the SiLU fold) is on; None
-    otherwise (the caller runs the norm and the projection)."""
-    if not (gemv_applies(x, weight) and env.gemv_norm() and (env.gemv_silu() or not silu)):
+    silu·mul of [gate; up] when `silu`, of norm(x + residual), x + residual) where `gemv_applies`, there is no
+    bias, x and the residual share the norm weight's dtype and KUBESGL_GEMV_NORM=1 (and for `silu` the SiLU
+    fold) is on; None otherwise (the caller runs the norm and the projection)."""
+    if bias is not None or not (
+        gemv_applies(x, weight) and env.gemv_norm() and (env.gemv_silu() or not silu)
+    ):
         return None
     if x.dtype != norm_weight.dtype or (residual is not None and residual.dtype != x.dtype):
         return None  # a float32 sum from the fused MLP: its norm rounds into the residual's dtype first

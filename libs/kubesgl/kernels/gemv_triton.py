@@ -76,7 +76,7 @@ def _gemv_kernel(
                 x32 = x.to(tl.float32)
                 rstd = tl.rsqrt(tl.sum(x32 * x32, 0) / K + eps)
                 x = (x32 * rstd).to(x.dtype) * norm_w
-            xf = x.to(out_ptr.dtype.element_ty).to(tl.float32)
+            xf = x.to(tl.float32)  # x's dtype, the output's (the norm rounds into it as norm_triton does)
             y = tl.sum(w * xf[None, :], axis=1)
             if SILU:
                 up = tl.sum(w_up * xf[None, :], axis=1)
@@ -111,8 +111,10 @@ def _launch(
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     summed = None
     if residual is not None:
-        if residual.shape != x.shape or not residual.is_contiguous():
-            raise ValueError(f"norm_gemv: residual {tuple(residual.shape)} must be dense and shaped as x")
+        if residual.shape != x.shape or residual.dtype != x.dtype or not residual.is_contiguous():
+            raise ValueError(
+                f"norm_gemv: residual {residual.dtype} {tuple(residual.shape)} must be x's, dense"
+            )
         summed = torch.empty_like(residual)
     if m == 0 or n == 0:
         return out, summed

@@ -146,9 +146,10 @@ class DenseMLP(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """`norm` (with its residual add) and this MLP, the norm inside the gate_up GEMV (kernels/gemv.py):
         (output, residual); None where that does not apply (the caller runs the norm, then `forward`)."""
-        if (self.fusable and fused_mlp_applies(x)) or self.gate_up_proj.bias is not None:
+        if self.fusable and fused_mlp_applies(x):
             return None
-        fused = norm_linear(x, residual, norm.weight, norm.eps, self.gate_up_proj.weight, silu=True)
+        gate_up = self.gate_up_proj
+        fused = norm_linear(x, residual, norm.weight, norm.eps, gate_up.weight, gate_up.bias, silu=True)
         if fused is None:
             return None
         act, residual = fused
@@ -158,7 +159,7 @@ class DenseMLP(nn.Module):
         """[T, H] -> [T, H]; float32 from the fused small-batch kernel, which only a residual norm reads."""
         if self.fusable and fused_mlp_applies(x):
             return fused_mlp(x, self.gate_up_proj.weight, self.down_proj.weight)
-        if self.gate_up_proj.bias is None and (act := gate_up_silu(x, self.gate_up_proj.weight)) is not None:
+        if (act := gate_up_silu(x, self.gate_up_proj.weight, self.gate_up_proj.bias)) is not None:
             return self.down_proj(act)
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
@@ -177,9 +178,7 @@ class DecoderLayer(nn.Module):
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, fb: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
         attn, norm = self.self_attn, self.input_layernorm
-        fused = None
-        if attn.qkv_proj.bias is None:
-            fused = norm_linear(hidden, residual, norm.weight, norm.eps, attn.qkv_proj.weight)
+        fused = norm_linear(hidden, residual, norm.weight, norm.eps, attn.qkv_proj.weight, attn.qkv_proj.bias)
         if fused is None:
             hidden, residual = self._input_norm(hidden, residual)
             return self._mlp_block(attn(positions, hidden, fb), residual)

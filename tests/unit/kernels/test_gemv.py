@@ -86,10 +86,14 @@ def test_triton_norm_gemv_matches_norm_then_projection(m: int, with_residual: bo
     assert rel_err(out, ref) < 4 * reorder_bound(torch.float32, k)
 
 
-def test_norm_gemv_needs_the_norm_weight_in_x_dtype() -> None:
+def test_norm_gemv_needs_the_norm_weight_and_the_residual_in_x_dtype() -> None:
     with pytest.raises(ValueError, match="norm weight"):
         gemv_triton.norm_gemv(
             torch.zeros(1, 4), None, torch.ones(4, dtype=torch.float64), 1e-6, torch.zeros(2, 4)
+        )
+    with pytest.raises(ValueError, match="residual torch.float64"):
+        gemv_triton.norm_gemv(
+            torch.zeros(1, 4), torch.zeros(1, 4, dtype=torch.float64), torch.ones(4), 1e-6, torch.zeros(2, 4)
         )
 
 
@@ -107,6 +111,17 @@ def test_gate_up_silu_stays_off_on_cpu_and_when_switched_off(monkeypatch: pytest
     monkeypatch.setenv("KUBESGL_GEMV_SILU", "0")
     monkeypatch.delenv("KUBESGL_GEMV_NORM", raising=False)
     assert not env.gemv_silu() and not env.gemv_norm()  # the norm fold: opt-in
+
+
+@cpu_interpreter
+def test_the_folds_decline_a_bias_and_take_the_rest(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A projection with a bias keeps the separate kernels (the GEMV adds none); without one the same call
+    runs the fold. CUDA's part is played by a named stand-in, as in the decoder test below."""
+    monkeypatch.setattr(gemv_module, "use_triton", lambda x: True)  # stand-in for a CUDA device
+    monkeypatch.setenv("KUBESGL_GEMV_NORM", "1")
+    x, w, b, nw = randn(1, 16, seed=1), randn(8, 16, seed=2), randn(8, seed=3), torch.ones(16)
+    assert gate_up_silu(x, w) is not None and gate_up_silu(x, w, b) is None
+    assert norm_linear(x, None, nw, 1e-6, w) is not None and norm_linear(x, None, nw, 1e-6, w, b) is None
 
 
 def test_gemv_rejects_more_rows_or_mismatched_widths() -> None:
