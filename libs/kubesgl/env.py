@@ -61,12 +61,6 @@ def gemv_norm() -> bool:
     return os.environ.get("KUBESGL_GEMV_NORM") in _TRUE
 
 
-def decode_merge_fold() -> bool:
-    """KUBESGL_DECODE_MERGE_FOLD = 1/true: the planned Triton decode merges a cut request's parts in its own last
-    program instead of a second kernel (attention/triton_planned.py). Off until measured on a device."""
-    return os.environ.get("KUBESGL_DECODE_MERGE_FOLD") in _TRUE
-
-
 def cache_dir() -> Path:
     """Where the demo model is built: $KUBESGL_CACHE, else ~/.cache/kubesgl."""
     return Path(os.environ.get("KUBESGL_CACHE") or Path.home() / ".cache" / "kubesgl")

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kubesgl import env
 from kubesgl.attention.base import AttentionMetadata
 from kubesgl.attention.decode_plan import (
     ITEM_INTS,
@@ -56,7 +55,6 @@ class _PlannedDecode:
     capacity: int  # items in `work` (the grid is capacity x kv heads)
     partial_out: torch.Tensor  # [P, q_heads, D] float32
     partial_lse: torch.Tensor  # [P, q_heads] float32
-    merge_counts: torch.Tensor | None  # int32 zeros, B x kv heads: the merge folded into the decode kernel
 
 
 @dataclass
@@ -77,7 +75,6 @@ class _GraphBuffers:
     partial_out: torch.Tensor  # flat, sized for the largest batch's splits (or planned partials)
     partial_lse: torch.Tensor
     work: torch.Tensor | None  # planned schedule: the largest batch's work list
-    merge_counts: torch.Tensor | None  # planned schedule, merge folded: max_bs x kv heads int32 zeros
 
 
 def decode_splits(batch_size: int, num_kv_heads: int, num_sms: int) -> tuple[int, int]:
@@ -161,10 +158,6 @@ class TritonAttention:
         self._target_items = target_items(self._num_sms, num_kv_heads, plan_waves)
         self._plan: _DecodePlan | _PlannedDecode | _ExtendPlan | None = None
         self._graph: _GraphBuffers | None = None
-        # Planned decode: merge a cut request's parts inside the decode kernel (env.decode_merge_fold). The
-        # counters stay zero between launches (the merging program resets its own), so eager steps share one.
-        self._fold_merge = decode_schedule == "planned" and env.decode_merge_fold()
-        self._merge_counts = torch.zeros(0, dtype=torch.int32, device=self.device)
 
     def plan(self, meta: AttentionMetadata) -> None:
         if meta.mode == "decode" and self.decode_schedule == "planned":
@@ -222,7 +215,7 @@ class TritonAttention:
                 (parts, self.num_q_heads, self.head_dim), dtype=torch.float32, device=self.device
             )
             lse = torch.empty((parts, self.num_q_heads), dtype=torch.float32, device=self.device)
-            return _PlannedDecode(page_table, work, w.capacity, out, lse, self._eager_counts(len(seq_lens)))
+            return _PlannedDecode(page_table, work, w.capacity, out, lse)
         assert pool.work is not None
         work = pool.work[: host.numel()]
         if self.device.type == "cuda":  # pinned, so the host does not wait for the step in flight
@@ -232,15 +225,7 @@ class TritonAttention:
         parts = pool.partial_lse.numel() // self.num_q_heads
         out = pool.partial_out.view(parts, self.num_q_heads, self.head_dim)
         lse = pool.partial_lse.view(parts, self.num_q_heads)
-        return _PlannedDecode(page_table, work, w.capacity, out, lse, pool.merge_counts)
-
-    def _eager_counts(self, batch: int) -> torch.Tensor | None:
-        """The folded merge's counters for an eager step of `batch` requests (grown, never shrunk)."""
-        if not self._fold_merge:
-            return None
-        if self._merge_counts.numel() < batch * self.num_kv_heads:
-            self._merge_counts = torch.zeros(batch * self.num_kv_heads, dtype=torch.int32, device=self.device)
-        return self._merge_counts
+        return _PlannedDecode(page_table, work, w.capacity, out, lse)
 
     def forward(
         self,
@@ -267,7 +252,6 @@ class TritonAttention:
                 scale,
                 plan.partial_out,
                 plan.partial_lse,
-                merge_counts=plan.merge_counts,
                 **self._decode_cfg,
             )
         if isinstance(plan, _DecodePlan):
@@ -316,11 +300,6 @@ class TritonAttention:
             ),
             partial_lse=torch.empty(most * self.num_q_heads, dtype=torch.float32, device=self.device),
             work=work,
-            merge_counts=(
-                torch.zeros(max_bs * self.num_kv_heads, dtype=torch.int32, device=self.device)
-                if self._fold_merge
-                else None
-            ),
         )
 
     def plan_capture(self, bs: int) -> None:

@@ -6,12 +6,6 @@ size; slack items (request -1) return at once. Programs are numbered item-major,
 start together and items start in the plan's order (longest first). An item covering a whole request writes
 the output; the parts of a cut request write float32 partials and their log-sum-exp, which the merge kernel
 combines (one program per request and query head; requests that were not cut return at once).
-
-Folded merge (`merge_counts` given, `env.decode_merge_fold`): no merge kernel. Each part of a cut request counts
-itself done on a per-(request, kv head) counter after its partials are written; the part that finds itself
-last merges that kv head's query heads and sets the counter back to 0, so the next layer and a graph replay
-find it zeroed. A decode step's attention is then one kernel per layer instead of two: the boundary between
-them (a launch, a grid drain) is the fixed cost the batch-1 step pays 28 times.
 """
 
 from __future__ import annotations
@@ -36,8 +30,6 @@ def _planned_decode_kernel(
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
-    merge_ptr,
-    count_ptr,
     qk_scale,
     stride_qb,
     stride_qh,
@@ -59,8 +51,6 @@ def _planned_decode_kernel(
     PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     ITEM: tl.constexpr,
-    MERGE: tl.constexpr,
-    FOLD_MERGE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -96,75 +86,6 @@ def _planned_decode_kernel(
             )
             lse = (m_i + tl.log2(l_i)) / 1.4426950408889634  # natural-log LSE of this part
             tl.store(part_lse_ptr + slot64 * stride_lp + heads, lse, mask=mask_h)
-            if FOLD_MERGE:
-                _merge_if_last(
-                    merge_ptr, count_ptr, part_out_ptr, part_lse_ptr, out_ptr, b, kv_head, heads, mask_h, offs_d,
-                    mask_hd, stride_pp, stride_ph, stride_lp, stride_ob, stride_oh, NUM_KV_HEADS, BLOCK_H,
-                    BLOCK_D, MERGE,
-                )  # fmt: skip
-
-
-@triton.jit
-def _merge_if_last(
-    merge_ptr,
-    count_ptr,
-    part_out_ptr,
-    part_lse_ptr,
-    out_ptr,
-    b,
-    kv_head,
-    heads,
-    mask_h,
-    offs_d,
-    mask_hd,
-    stride_pp,
-    stride_ph,
-    stride_lp,
-    stride_ob,
-    stride_oh,
-    NUM_KV_HEADS: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    MERGE: tl.constexpr,
-):
-    """The folded merge: this part counts itself done; the last of its request's parts merges them all.
-
-    The barrier puts every thread's partial stores before the counter's release (the pattern of CUTLASS's
-    semaphore: block barrier, then one release at GPU scope); the last part's acquire makes the other parts'
-    stores visible, and it reads them from L2 (.cg), past an L1 that may hold an earlier layer's lines."""
-    tl.debug_barrier()
-    count = tl.load(merge_ptr + b * MERGE + 1)
-    counter = count_ptr + b * NUM_KV_HEADS + kv_head
-    done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-    if done == count - 1:
-        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # zero for the next layer and graph replay
-        first = tl.load(merge_ptr + b * MERGE)
-        m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-        denom = tl.zeros([BLOCK_H], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-        for i in range(0, count):
-            slot = (first + i).to(tl.int64)
-            # Padding heads read 0: finite, so no inf - inf below; they are never stored.
-            lse = tl.load(
-                part_lse_ptr + slot * stride_lp + heads, mask=mask_h, other=0.0, cache_modifier=".cg"
-            )
-            part = tl.load(
-                part_out_ptr + slot * stride_pp + heads[:, None] * stride_ph + offs_d[None, :],
-                mask=mask_hd,
-                other=0.0,
-                cache_modifier=".cg",
-            )
-            m_new = tl.maximum(m, lse)
-            keep = tl.exp(m - m_new)
-            w = tl.exp(lse - m_new)
-            acc = acc * keep[:, None] + w[:, None] * part
-            denom = denom * keep + w
-            m = m_new
-        tl.store(
-            out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-            (acc / denom[:, None]).to(out_ptr.dtype.element_ty),
-            mask=mask_hd,
-        )
 
 
 @triton.jit
@@ -225,28 +146,19 @@ def planned_decode_attention(
     partial_out: torch.Tensor,
     partial_lse: torch.Tensor,
     *,
-    merge_counts: torch.Tensor | None = None,
     block_n: int = 64,
     num_warps: int = 4,
     num_stages: int = 3,
 ) -> torch.Tensor:
     """q/out [B, q_heads, D]; caches [num_pages, page_size, kv_heads, D]; `work` the device copy of a
     `DecodeWork.ints` with `capacity` items (then B merge rows); partial_out [P, q_heads, D] and partial_lse
-    [P, q_heads] float32 with P >= the plan's partial slots. `block_n` must be the planner's. `merge_counts`,
-    int32 zeros of at least B x kv_heads (left zeroed), folds the merge into the decode kernel."""
+    [P, q_heads] float32 with P >= the plan's partial slots. `block_n` must be the planner's."""
     batch, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
     k_flat = k_cache.view(-1, num_kv_heads, head_dim)
     v_flat = v_cache.view(-1, num_kv_heads, head_dim)
     block_d = triton.next_power_of_2(head_dim)
-    merge_rows = work[capacity * ITEM_INTS :]
-    fold = merge_counts is not None
-    if fold and (merge_counts.dtype != torch.int32 or merge_counts.numel() < batch * num_kv_heads):
-        raise ValueError(
-            f"merge_counts must be int32 with at least {batch} x {num_kv_heads} counters, "
-            f"got {merge_counts.dtype} x {merge_counts.numel()}"
-        )
     _planned_decode_kernel[(capacity * num_kv_heads,)](
         q,
         k_flat,
@@ -256,8 +168,6 @@ def planned_decode_attention(
         out,
         partial_out,
         partial_lse,
-        merge_rows,
-        merge_counts if fold else merge_rows,  # unread unless FOLD_MERGE
         scale * LOG2E,
         q.stride(0),
         q.stride(1),
@@ -279,16 +189,12 @@ def planned_decode_attention(
         PAGE_SIZE=page_size,
         BLOCK_N=block_n,
         ITEM=ITEM_INTS,
-        MERGE=MERGE_INTS,
-        FOLD_MERGE=fold,
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl_kwargs(q),
     )
-    if fold:
-        return out
     _planned_merge_kernel[(batch, num_q_heads)](
-        merge_rows,
+        work[capacity * ITEM_INTS :],
         partial_out,
         partial_lse,
         out,

@@ -8,7 +8,6 @@ tiny sizes: Triton's interpreter multiplies bf16 tiles wrongly, so bf16 is only 
 from __future__ import annotations
 
 import importlib.util
-import os
 import random
 from typing import NamedTuple
 
@@ -270,16 +269,13 @@ PLANNED_LENS = Lens(
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("waves", [1.0, 16.0], ids=["whole", "cut"])
-@pytest.mark.parametrize("fold", [False, True], ids=["merge_kernel", "merge_folded"])
 def test_triton_planned_decode_matches_torch_on_ragged_lengths(
-    page_size: int, head_dim: int, waves: float, fold: bool, monkeypatch: pytest.MonkeyPatch
+    page_size: int, head_dim: int, waves: float
 ) -> None:
     """GQA 16 q / 8 kv heads: with few target items every request stays whole (outputs written directly); with
-    many, the long ones are cut at block boundaries that fall inside pages and are merged by their LSE, in
-    the merge kernel or (folded) by each request's last part, which leaves its counters zeroed."""
+    many, the long ones are cut at block boundaries that fall inside pages and are merged by their LSE."""
     from kubesgl.attention.triton_backend import TritonAttention
 
-    monkeypatch.setenv("KUBESGL_DECODE_MERGE_FOLD", "1" if fold else "0")
     shape = Shape(16, 8, head_dim, torch.float32, "cpu", cpu_tol(head_dim))
     backend = TritonAttention(
         device="cpu",
@@ -293,45 +289,12 @@ def test_triton_planned_decode_matches_torch_on_ragged_lengths(
     out = run_backend(backend, batch, head_dim**-0.5)
     assert (backend._plan.partial_out.shape[0] > 1) == (waves > 1)
     assert_close_to_reference(out, reference(batch, head_dim**-0.5), shape.tol)
-    counts = backend._plan.merge_counts
-    assert (counts is not None) == fold
-    if fold:
-        assert counts.numel() == 8 * 8 and not counts.any()
 
 
 @cpu_interpreter
-def test_folded_merge_counts_only_its_own_request_and_kv_head() -> None:
-    """A direct launch with counters someone left at 0 except one: a cut request's last part is the one whose
-    count reaches its part count, so a stray count of another (request, kv head) must stay untouched, and a
-    counter table too small for the batch is refused."""
-    from kubesgl.attention.triton_planned import planned_decode_attention
-
-    shape = Shape(4, 2, 32, torch.float32, "cpu", cpu_tol(32))
-    batch = random_batch(shape, 16, PLANNED_LENS, seed=7)
-    batch.kv.store(LAYER, batch.out_loc, batch.k, batch.v)
-    plan = plan_decode_work(batch.meta.seq_lens, 16, 16)
-    assert plan.num_partials > 0
-    parts = torch.empty((plan.num_partials, 4, 32)), torch.empty((plan.num_partials, 4))
-    counts = torch.zeros(len(PLANNED_LENS.prefix_lens) * 2 + 1, dtype=torch.int32)
-    counts[-1] = 5  # past the batch's counters: not this launch's
-    args = (batch.q, batch.kv.k_pages(LAYER), batch.kv.v_pages(LAYER), batch.meta.page_table,
-            torch.from_numpy(plan.ints), plan.capacity)  # fmt: skip
-    out = planned_decode_attention(
-        *args, torch.empty_like(batch.q), 32**-0.5, *parts, merge_counts=counts, block_n=16
-    )
-    assert_close_to_reference(out, reference(batch, 32**-0.5), shape.tol)
-    assert counts[:-1].tolist() == [0] * (counts.numel() - 1) and counts[-1] == 5
-    with pytest.raises(ValueError, match="at least 8 x 2 counters"):
-        planned_decode_attention(*args, out, 1.0, *parts, merge_counts=counts[:3], block_n=16)
-
-
-@cpu_interpreter
-@pytest.mark.parametrize("name", ["triton-split", "triton-planned", "triton-planned-fold"])
-def test_triton_graph_replay_pads_batch_into_scratch_page(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("name", ["triton-split", "triton-planned"])
+def test_triton_graph_replay_pads_batch_into_scratch_page(name: str) -> None:
     """plan_replay copies a 3-request batch into graph buffers of 5; padded rows read the scratch page."""
-    if name.endswith("-fold"):
-        monkeypatch.setenv("KUBESGL_DECODE_MERGE_FOLD", "1")
-        name = name.removesuffix("-fold")
     shape, page_size = CPU_SHAPES[0], 16
     backend = make(name, shape, page_size)
     assert supports_cuda_graph(backend)
@@ -349,9 +312,6 @@ def test_triton_graph_replay_pads_batch_into_scratch_page(name: str, monkeypatch
         out = backend.forward(q, LAYER, batch.kv, shape.head_dim**-0.5)
         assert torch.isfinite(out).all()
         assert_close_to_reference(out[:3], reference(batch, shape.head_dim**-0.5), shape.tol)
-        counts = getattr(backend._graph, "merge_counts", None)
-        assert (counts is not None) == (os.environ.get("KUBESGL_DECODE_MERGE_FOLD") == "1")
-        assert counts is None or not counts.any()
 
 
 @cpu_interpreter
@@ -460,15 +420,11 @@ def test_default_hybrid_attends_a_mixed_step_with_flashinfer_prefill(page_size: 
     assert_close_to_reference(out, reference(batch, shape.head_dim**-0.5), shape.tol)
 
 
-@pytest.mark.parametrize("name", [*GPU_BACKENDS, "triton-planned-fold"])
+@pytest.mark.parametrize("name", GPU_BACKENDS)
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-def test_decode_graph_replays_new_batches(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Capture decode at batch size 6 once, then replay it for two batches of 4 with other lengths (the
-    folded merge's counters must come back zeroed from every replay)."""
-    if name.endswith("-fold"):
-        monkeypatch.setenv("KUBESGL_DECODE_MERGE_FOLD", "1")
-        name = name.removesuffix("-fold")
+def test_decode_graph_replays_new_batches(name: str) -> None:
+    """Capture decode at batch size 6 once, then replay it for two batches of 4 with other lengths."""
     shape, page_size, bs = GPU_SHAPES[0], 16, 6
     scale = shape.head_dim**-0.5
     backend = make(name, shape, page_size)
@@ -504,21 +460,13 @@ def test_decode_graph_replays_new_batches(name: str, monkeypatch: pytest.MonkeyP
         graph.replay()
         torch.cuda.synchronize()
         assert_close_to_reference(graph_out[:4].clone(), reference(batch, scale), shape.tol)
-        counts = getattr(getattr(backend, "_graph", None), "merge_counts", None)
-        assert (counts is not None) == (os.environ.get("KUBESGL_DECODE_MERGE_FOLD") == "1")
-        assert counts is None or not counts.any()
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("batch", [1, 4, 96, 256])
-@pytest.mark.parametrize("fold", [False, True], ids=["merge_kernel", "merge_folded"])
-def test_planned_decode_on_a_large_ragged_batch_matches_torch(
-    batch: int, fold: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Workload-like lengths (100-1600): at 1, 4 and 96 requests the long ones are cut (merged in a kernel of
-    their own, or folded), at 256 all stay whole."""
-    monkeypatch.setenv("KUBESGL_DECODE_MERGE_FOLD", "1" if fold else "0")
+@pytest.mark.parametrize("batch", [96, 256])
+def test_planned_decode_on_a_large_ragged_batch_matches_torch(batch: int) -> None:
+    """Workload-like lengths (100-1600): at 96 requests the long ones are cut, at 256 all stay whole."""
     rng = random.Random(batch)
     prefix = [rng.randint(99, 1599) for _ in range(batch)]
     check_backend("triton-planned", GPU_SHAPES[0], 16, Lens("decode", prefix, [1] * batch), seed=batch)
