@@ -227,15 +227,17 @@ case "$mode" in
         --shapes 1x8,1x1000,16x512,8x1024 --json "$OUT/exthost_pw$pw.jsonl" 2>&1 | grep -v Warn | tee "$OUT/exthost_pw$pw.txt"
     done
     ;;
-  pwtests)  # the GPU tests of the piecewise prefill graphs (dense and MoE) and of the GEMV kernel. ~40 s
-    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/unit/kernels/test_gemv.py tests/unit/engine/test_piecewise_graph.py \
-      2>&1 | tail -8 | tee "$OUT/pw_gemv_tests.txt"
+  pwtests)  # the GPU tests of the piecewise prefill graphs (dense and MoE), of the GEMV kernel, of the planned
+           # Triton decode (eager and graph-replayed) and of the engine's graph sampling. ~90 s
+    timeout 180 python3 -m pytest -q -p no:cacheprovider tests/unit/kernels/test_gemv.py tests/unit/engine/test_piecewise_graph.py \
+      tests/unit/engine/test_runner_fastpath.py tests/unit/kernels/test_attention_backends.py \
+      -k "not test_attention_backends or planned or (replays and not flashinfer)" 2>&1 | tail -8 | tee "$OUT/pw_gemv_tests.txt"
     ;;
   gemv25)  # issue 25: the small-batch projection kernel (kernels/gemv.py, KUBESGL_GEMV): its kernel_bench part, then
           # the decode step's kernel trace at bs 1 and 4 for each fold (tests: pwtests). ~3 min
     timeout 90 python3 benchmark/kernel_bench.py --part gemv --json "$OUT/kb_gemv.jsonl" 2>&1 | grep -v Warn | tail -40 > "$OUT/kb_gemv.txt"
-    # off; the GEMV; with the gate_up's SiLU·mul folded in (the default); with the norms before qkv and gate_up
-    # folded in too (opt-in until measured): KUBESGL_GEMV, KUBESGL_GEMV_SILU, KUBESGL_GEMV_NORM
+    # off; the GEMV; with the gate_up's SiLU·mul folded in; with the norms before qkv and gate_up folded in too
+    # (the default): KUBESGL_GEMV, KUBESGL_GEMV_SILU, KUBESGL_GEMV_NORM
     for g in ${GEMV_CASES:-000 100 110 111}; do
       KUBESGL_GEMV=${g:0:1} KUBESGL_GEMV_SILU=${g:1:1} KUBESGL_GEMV_NORM=${g:2:1} timeout 100 python3 \
         benchmark/kernel_trace.py --model Qwen3-0.6B --batch-sizes 1,4 --context 800 --page-size 16 --top 14 \

@@ -56,9 +56,9 @@ def gemv_silu() -> bool:
 
 
 def gemv_norm() -> bool:
-    """KUBESGL_GEMV_NORM = 1/true, with the GEMV on: the RMSNorm before a decoder's qkv and gate_up projections of
-    up to 4 rows runs inside the projection's kernel (kernels/gemv.py). Off until measured on a device."""
-    return os.environ.get("KUBESGL_GEMV_NORM") in _TRUE
+    """With the GEMV on, the RMSNorm before a decoder's qkv and gate_up projections of up to 4 rows runs inside
+    the projection's kernel (kernels/gemv.py) unless KUBESGL_GEMV_NORM = 0/false."""
+    return os.environ.get("KUBESGL_GEMV_NORM") not in _FALSE
 
 
 def cache_dir() -> Path:

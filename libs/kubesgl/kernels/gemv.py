@@ -8,8 +8,9 @@ it waits on the previous kernel, so the weight stream starts while a small norm 
 and `norm_linear` the RMSNorm before a projection (the decoder's input norm before qkv, its residual norm
 before gate_up: two more per layer).
 On by default on CUDA (measured, H100: the batch-1 decode step 1.483 -> 1.109 ms with the GEMV, 1.073 with the
-SiLU fold; offline throughput unchanged; docs/performance.md); KUBESGL_GEMV=0 keeps cuBLAS and SiluAndMul,
-KUBESGL_GEMV_SILU=0 only the SiLU fold. The norm fold is opt-in (KUBESGL_GEMV_NORM=1) until measured. Each
+SiLU fold; on another H100, 1.107 -> 1.030 with the norm folds; offline throughput unchanged;
+docs/performance.md); KUBESGL_GEMV=0 keeps cuBLAS and SiluAndMul, KUBESGL_GEMV_SILU=0 turns off only the SiLU
+fold, KUBESGL_GEMV_NORM=0 only the norm folds. Each
 program's sums run in a fixed order (no atomics: run to run identical), another order than cuBLAS's: outputs
 differ from it within the dtype's rounding.
 """
@@ -72,8 +73,8 @@ def norm_linear(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """An RMSNorm (with its residual add) and the projection after it as one GEMV kernel: (projection, or
     silu·mul of [gate; up] when `silu`, of norm(x + residual), x + residual) where `gemv_applies`, there is no
-    bias, x and the residual share the norm weight's dtype and KUBESGL_GEMV_NORM=1 (and for `silu` the SiLU
-    fold) is on; None otherwise (the caller runs the norm and the projection)."""
+    bias, x and the residual share the norm weight's dtype and the norm fold (and for `silu` the SiLU fold)
+    is on; None otherwise (the caller runs the norm and the projection)."""
     if bias is not None or not (
         gemv_applies(x, weight) and env.gemv_norm() and (env.gemv_silu() or not silu)
     ):

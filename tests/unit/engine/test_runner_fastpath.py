@@ -164,6 +164,22 @@ def test_gumbel_kernel_picks_across_vocab_splits_first_index_on_ties() -> None:
     assert tokens.tolist() == logits.argmax(dim=-1).tolist() == [2 * SPLIT + 999, 100, SPLIT + 7, SPLIT - 1]
 
 
+def test_gumbel_kernel_draws_the_same_tokens_whatever_the_split() -> None:
+    """A small batch scans one block per program, a large one SPLIT logits per program: a logit's noise depends
+    on its column alone, so the same key draws the same tokens (temperature rows, and a greedy one)."""
+    from kubesgl.engine.gumbel_sampling import BLOCK, SPLIT
+
+    vocab = SPLIT + 3 * BLOCK + 100  # the last block and the last split partial
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(8)) * 0.1  # flat: noise decides
+    scale = sampling_scale(torch.tensor([1.0, 0.5, 1.0]), torch.tensor([False, False, True]))
+    args = (logits.to(KDEV), scale.to(KDEV), philox_key(11, KDEV))
+    by_split = {s: gumbel_tokens(*args, split=s).cpu().tolist() for s in (BLOCK, 2 * BLOCK, SPLIT)}
+    assert by_split[BLOCK] == by_split[2 * BLOCK] == by_split[SPLIT] == gumbel_tokens(*args).cpu().tolist()
+    assert by_split[SPLIT][2] == int(logits[2].argmax())
+    with pytest.raises(ValueError, match="multiple of 2048"):
+        gumbel_tokens(*args, split=1000)
+
+
 @pytest.mark.slow  # 15-130 s on 2 busy cores: `make test` runs it, `make test-fast` does not
 def test_gumbel_kernel_samples_softmax_of_logits_over_temperature() -> None:
     rows, temperature = 300, 0.7

@@ -108,9 +108,11 @@ def test_gate_up_silu_stays_off_on_cpu_and_when_switched_off(monkeypatch: pytest
     monkeypatch.delenv("KUBESGL_GEMV_SILU", raising=False)
     assert gate_up_silu(x, w) is None  # a CPU tensor
     assert norm_linear(x, None, torch.ones(16), 1e-6, w) is None  # a CPU tensor
-    monkeypatch.setenv("KUBESGL_GEMV_SILU", "0")
     monkeypatch.delenv("KUBESGL_GEMV_NORM", raising=False)
-    assert not env.gemv_silu() and not env.gemv_norm()  # the norm fold: opt-in
+    assert env.gemv() and env.gemv_silu() and env.gemv_norm()  # every fold on by default
+    monkeypatch.setenv("KUBESGL_GEMV_SILU", "0")
+    monkeypatch.setenv("KUBESGL_GEMV_NORM", "false")
+    assert not env.gemv_silu() and not env.gemv_norm()
 
 
 @cpu_interpreter
@@ -118,7 +120,7 @@ def test_the_folds_decline_a_bias_and_take_the_rest(monkeypatch: pytest.MonkeyPa
     """A projection with a bias keeps the separate kernels (the GEMV adds none); without one the same call
     runs the fold. CUDA's part is played by a named stand-in, as in the decoder test below."""
     monkeypatch.setattr(gemv_module, "use_triton", lambda x: True)  # stand-in for a CUDA device
-    monkeypatch.setenv("KUBESGL_GEMV_NORM", "1")
+    monkeypatch.delenv("KUBESGL_GEMV_NORM", raising=False)
     x, w, b, nw = randn(1, 16, seed=1), randn(8, 16, seed=2), randn(8, seed=3), torch.ones(16)
     assert gate_up_silu(x, w) is not None and gate_up_silu(x, w, b) is None
     assert norm_linear(x, None, nw, 1e-6, w) is not None and norm_linear(x, None, nw, 1e-6, w, b) is None
