@@ -16,8 +16,9 @@ import triton.language as tl
 # Each program scans SPLIT logits of one row in BLOCK-wide chunks; a second kernel picks each row's best split,
 # so even a batch of one row is read by many programs at once (docs/performance.md has the figures). A batch
 # with fewer than MIN_PROGRAMS programs at SPLIT takes one block per program instead: Philox, not memory,
-# bounds the scan, and at one row 19 programs of 8192 logits took 14 us on the H100. The noise of a logit
-# depends only on its column, not on the split, so both draw the same tokens.
+# bounds the scan, and at one row 19 programs of 8192 logits took 14 us on the H100. A vocabulary smaller
+# than SPLIT is scanned in as many blocks as it fills. The noise of a logit depends only on its column, not on
+# the split, so every choice draws the same tokens.
 SPLIT = 8192
 BLOCK = 2048
 MIN_PROGRAMS = 128
@@ -106,6 +107,7 @@ def gumbel_tokens(
         return out
     if split is None:
         split = SPLIT if b * triton.cdiv(vocab, SPLIT) >= MIN_PROGRAMS else BLOCK
+        split = min(split, triton.cdiv(vocab, BLOCK) * BLOCK)  # no program scans blocks past the vocab
     if split <= 0 or split % BLOCK:
         raise ValueError(f"split {split} must be a positive multiple of {BLOCK}")
     n_splits = triton.cdiv(vocab, split)

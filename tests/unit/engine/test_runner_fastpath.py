@@ -176,11 +176,13 @@ def test_gumbel_kernel_draws_the_same_tokens_whatever_the_split() -> None:
     by_split = {s: gumbel_tokens(*args, split=s).cpu().tolist() for s in (BLOCK, 2 * BLOCK, SPLIT)}
     assert by_split[BLOCK] == by_split[2 * BLOCK] == by_split[SPLIT] == gumbel_tokens(*args).cpu().tolist()
     assert by_split[SPLIT][2] == int(logits[2].argmax())
+    small = (logits[:, :300].contiguous().to(KDEV), *args[1:])  # one block: scanned as one, or as one split
+    assert gumbel_tokens(*small).cpu().tolist() == gumbel_tokens(*small, split=SPLIT).cpu().tolist()
     with pytest.raises(ValueError, match="multiple of 2048"):
         gumbel_tokens(*args, split=1000)
 
 
-@pytest.mark.slow  # 15-130 s on 2 busy cores: `make test` runs it, `make test-fast` does not
+@pytest.mark.slow  # 15-45 s on 2 busy cores: `make test` runs it, `make test-fast` does not
 def test_gumbel_kernel_samples_softmax_of_logits_over_temperature() -> None:
     rows, temperature = 300, 0.7
     base = torch.tensor([1.0, 0.0, -1.0, 0.5, 0.2])
