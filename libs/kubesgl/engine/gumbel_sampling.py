@@ -93,12 +93,19 @@ def _gumbel_pick_kernel(part_val_ptr, part_idx_ptr, out_ptr, n_splits, BLOCK_S: 
     tl.store(out_ptr + row, idx.to(tl.int64))
 
 
+def scan_split(batch: int, vocab: int) -> int:
+    """Logits per program: SPLIT where the batch makes MIN_PROGRAMS programs of SPLIT, else one BLOCK; never more
+    blocks than the vocabulary fills."""
+    split = SPLIT if batch * triton.cdiv(vocab, SPLIT) >= MIN_PROGRAMS else BLOCK
+    return min(split, triton.cdiv(vocab, BLOCK) * BLOCK)
+
+
 def gumbel_tokens(
     logits: torch.Tensor, scale: torch.Tensor, key: torch.Tensor, split: int | None = None
 ) -> torch.Tensor:
     """logits [B, V] (any float dtype, rows contiguous); scale [B] float32 = 1 / T, or -1 for greedy rows;
     key [1] int64 Philox key (advance it between steps). Returns the tokens [B] int64. `split` (a multiple
-    of BLOCK) overrides the logits per program chosen from the batch size; the tokens do not depend on it."""
+    of BLOCK) overrides `scan_split`'s logits per program; the tokens do not depend on it."""
     b, vocab = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
@@ -106,8 +113,7 @@ def gumbel_tokens(
     if b == 0:
         return out
     if split is None:
-        split = SPLIT if b * triton.cdiv(vocab, SPLIT) >= MIN_PROGRAMS else BLOCK
-        split = min(split, triton.cdiv(vocab, BLOCK) * BLOCK)  # no program scans blocks past the vocab
+        split = scan_split(b, vocab)
     if split <= 0 or split % BLOCK:
         raise ValueError(f"split {split} must be a positive multiple of {BLOCK}")
     n_splits = triton.cdiv(vocab, split)

@@ -7,12 +7,11 @@ it waits on the previous kernel, so the weight stream starts while a small norm 
 `gate_up_silu` also folds a dense MLP's SiLU·mul into its gate_up GEMV (one kernel and one boundary less per layer),
 and `norm_linear` the RMSNorm before a projection (the decoder's input norm before qkv, its residual norm
 before gate_up: two more per layer).
-On by default on CUDA (measured, H100: the batch-1 decode step 1.483 -> 1.109 ms with the GEMV, 1.073 with the
-SiLU fold; on another H100, 1.107 -> 1.030 with the norm folds; offline throughput unchanged;
-docs/performance.md); KUBESGL_GEMV=0 keeps cuBLAS and SiluAndMul, KUBESGL_GEMV_SILU=0 turns off only the SiLU
-fold, KUBESGL_GEMV_NORM=0 only the norm folds. Each
-program's sums run in a fixed order (no atomics: run to run identical), another order than cuBLAS's: outputs
-differ from it within the dtype's rounding.
+On by default on CUDA (measured: on an H100 the batch-1 decode step went 1.483 -> 1.109 ms with the GEMV, 1.073
+with the SiLU fold; with the norm folds 1.107 -> 1.030 on another H100 and 0.956 -> 0.881 on an H200; offline
+throughput unchanged; docs/performance.md). KUBESGL_GEMV=0 keeps cuBLAS and SiluAndMul; KUBESGL_GEMV_SILU=0 and
+KUBESGL_GEMV_NORM=0 turn off only their fold. Each program's sums run in a fixed order (no atomics: run to run
+identical), another order than cuBLAS's: outputs differ from it within the dtype's rounding.
 """
 
 from __future__ import annotations
@@ -73,15 +72,18 @@ def norm_linear(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """An RMSNorm (with its residual add) and the projection after it as one GEMV kernel: (projection, or
     silu·mul of [gate; up] when `silu`, of norm(x + residual), x + residual) where `gemv_applies`, there is no
-    bias, x and the residual share the norm weight's dtype and the norm fold (and for `silu` the SiLU fold)
-    is on; None otherwise (the caller runs the norm and the projection)."""
+    bias, x has the norm weight's dtype, the residual (if any) is dense and x's dtype and shape, and the norm
+    fold (and for `silu` the SiLU fold) is on; None otherwise (the caller runs the norm and the projection). A
+    float32 x is the fused MLP's sum, which the separate norm rounds into the residual's dtype first."""
     if bias is not None or not (
         gemv_applies(x, weight) and env.gemv_norm() and (env.gemv_silu() or not silu)
     ):
         return None
-    if x.dtype != norm_weight.dtype or (residual is not None and residual.dtype != x.dtype):
-        return None  # a float32 sum from the fused MLP: its norm rounds into the residual's dtype first
-    if residual is not None and (residual.shape != x.shape or not residual.is_contiguous()):
+    if x.dtype != norm_weight.dtype:
+        return None
+    if residual is not None and (
+        residual.dtype != x.dtype or residual.shape != x.shape or not residual.is_contiguous()
+    ):
         return None
     from kubesgl.kernels import gemv_triton
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import replace
+from typing import Any
 
 import pytest
 import torch
@@ -164,11 +165,31 @@ def test_gumbel_kernel_picks_across_vocab_splits_first_index_on_ties() -> None:
     assert tokens.tolist() == logits.argmax(dim=-1).tolist() == [2 * SPLIT + 999, 100, SPLIT + 7, SPLIT - 1]
 
 
-def test_gumbel_kernel_draws_the_same_tokens_whatever_the_split() -> None:
+def test_gumbel_scan_split_gives_a_small_batch_more_programs() -> None:
+    from kubesgl.engine.gumbel_sampling import BLOCK, SPLIT, scan_split
+
+    qwen3_vocab = 151936  # 19 splits of SPLIT
+    assert [scan_split(b, qwen3_vocab) for b in (1, 6, 7, 256)] == [BLOCK, BLOCK, SPLIT, SPLIT]
+    assert scan_split(300, 5) == scan_split(1, 300) == BLOCK  # no blocks past the vocabulary
+    assert scan_split(500, 3 * BLOCK) == 3 * BLOCK
+
+
+def test_gumbel_kernel_draws_the_same_tokens_whatever_the_split(monkeypatch: pytest.MonkeyPatch) -> None:
     """A small batch scans one block per program, a large one SPLIT logits per program: a logit's noise depends
-    on its column alone, so the same key draws the same tokens (temperature rows, and a greedy one)."""
+    on its column alone, so the same key draws the same tokens (temperature rows, and a greedy one). A spy on the
+    partial kernel's launch (it still runs) records the grids, so an ignored split would fail here."""
+    from kubesgl.engine import gumbel_sampling
     from kubesgl.engine.gumbel_sampling import BLOCK, SPLIT
 
+    grids: list[tuple[int, int]] = []
+    kernel = gumbel_sampling._gumbel_partial_kernel
+
+    class LaunchSpy:
+        def __getitem__(self, grid: tuple[int, int]) -> Any:
+            grids.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(gumbel_sampling, "_gumbel_partial_kernel", LaunchSpy())
     vocab = SPLIT + 3 * BLOCK + 100  # the last block and the last split partial
     logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(8)) * 0.1  # flat: noise decides
     scale = sampling_scale(torch.tensor([1.0, 0.5, 1.0]), torch.tensor([False, False, True]))
@@ -178,6 +199,7 @@ def test_gumbel_kernel_draws_the_same_tokens_whatever_the_split() -> None:
     assert by_split[SPLIT][2] == int(logits[2].argmax())
     small = (logits[:, :300].contiguous().to(KDEV), *args[1:])  # one block: scanned as one, or as one split
     assert gumbel_tokens(*small).cpu().tolist() == gumbel_tokens(*small, split=SPLIT).cpu().tolist()
+    assert grids == [(3, 8), (3, 4), (3, 2), (3, 8), (3, 1), (3, 1)]
     with pytest.raises(ValueError, match="multiple of 2048"):
         gumbel_tokens(*args, split=1000)
 
