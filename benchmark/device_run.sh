@@ -97,7 +97,8 @@ case "$mode" in
           # (Qwen3-0.6B, random weights): every stream through gateway 0 alone (g1), then round-robin over the
           # first 2 gateways, the chart's default (gateway.replicas 2, one worker at its 500m request), with the
           # offline LLM on the same requests after it (g2: serve/offline, TTFT p99 against the offline engine's
-          # for the same arrival), then over all 4 (g4); each run its own seed (fresh prompts: no prefix-cache
+          # for the same arrival: all at once, and each request given to it when the served one was written;
+          # the burst's connections open before its clock starts), then over all 4 (g4); each run its own seed (fresh prompts: no prefix-cache
           # hits from the run before). Each service's CPU per output token and in cores over every run:
           # serve_cpu.txt. ~4-5 min.
           # SERVE_* override the device defaults (the CPU check: docs/performance.md, serving section);

@@ -514,14 +514,23 @@ def test_the_shell_caps_replies_by_default_so_it_never_streams_forever() -> None
     assert sampling_of(parse(["shell", "--max-tokens", "0", "--temperature", "0"])) == {"temperature": 0.0}
 
 
-def test_bench_serve_drives_the_gateway_and_reports_latencies(url, capsys) -> None:
+def test_bench_serve_drives_the_gateway_and_reports_latencies(url, demo_model_dir, capsys) -> None:
+    """With `--model`, the offline LLM runs the same requests twice: all at once, then each when its served
+    request was written (the burst's connections opened first, so those writes leave together)."""
     parser = argparse.ArgumentParser()
     bench_serve.add_arguments(parser)
-    args = parser.parse_args(["--url", url, "--num-seqs", "4", "--max-input", "32", "--max-output", "20"])
+    flags = ["--url", url, "--num-seqs", "4", "--max-input", "32", "--max-output", "20"]
+    args = parser.parse_args([*flags, "--model", demo_model_dir, "--num-pages", "512"])
     assert bench_serve.main(args) == 0
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert res["failed"] == 0 and res["output_tokens"] == res["requested_output_tokens"]
     assert 0 < res["ttft_p50_s"] <= res["ttft_p99_s"] and res["itl_p50_s"] > 0 and res["output_tok_s"] > 0
+    assert res["connect_first"] and 0 < res["client_send_p50_s"] <= res["client_send_max_s"] < res["ttft_p99_s"]
+    assert "arrivals" not in res and res["offline_output_tok_s"] > 0
+    assert 0 < res["offline_arrival_ttft_p50_s"] <= res["offline_arrival_ttft_p99_s"]
+    assert res["ttft_after_send_p99_over_offline_same_arrival"] == round(
+        res["ttft_after_send_p99_s"] / res["offline_arrival_ttft_p99_s"], 3
+    )
 
 
 def test_bench_serve_shared_prefix_reports_the_cache_hit_rate(url, capsys) -> None:

@@ -141,11 +141,13 @@ def test_bench_serve_spreads_its_streams_over_every_gateway_and_sums_their_ttft(
     before = per_gateway()
     parser = argparse.ArgumentParser()
     bench_serve.add_arguments(parser)
+    # Each stream connects as it starts here (the default opens the burst's connections first: test_gateway_e2e).
     flags = ["--url", ",".join(urls), "--num-seqs", "6", "--max-input", "32", "--min-output", "2"]
+    flags.append("--no-connect-first")
     assert bench_serve.main(parser.parse_args([*flags, "--max-output", "4"])) == 0
     after = per_gateway()
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert res["gateways"] == 2 and res["failed"] == 0
+    assert res["gateways"] == 2 and res["failed"] == 0 and res["connect_first"] is False
     # Each gateway: one warm-up and its half of the burst; the single-request runs go to the first.
     served_by = [a[1] - b[1] for a, b in zip(after, before, strict=True)]
     assert served_by == [1 + 3 + bench_serve.SINGLE_TTFT_RUNS, 1 + 3], served_by

@@ -4,7 +4,8 @@ offline LLM on the same requests.
 Workload: kubesgl.bench.offline's (python `random` seeded 0, or `--seed`; prompts of randint(min_in, max_in)
 token ids from randint(0, 10000), then max_tokens randint(min_out, max_out) each; temperature 0.6; EOS
 ignored), with defaults scaled down for a CPU. Every request is a streamed /v1/completions call with token-id
-prompts, sent at once (or `--max-concurrency` at a time). Reported: output tok/s over the wall time, TTFT p50/p99,
+prompts, sent at once (or `--max-concurrency` at a time) over connections opened before the burst's clock starts
+(`--no-connect-first`: each connects as it starts). Reported: output tok/s over the wall time, TTFT p50/p99,
 ITL p50/p99 (gaps between streamed chunks, as a client sees them) and TPOT (per request, (last - first
 chunk) / (tokens - 1)), beside the gateway's own TTFT mean over the same burst (its /metrics), which should
 agree with the client's. Requests go out through sse_client, not httpx, whose pool would queue them.
@@ -12,7 +13,9 @@ agree with the client's. Requests go out through sse_client, not httpx, whose po
 Several gateways (`--url` repeated or comma-separated, e.g. `kubesgl up --gateways 4`'s ports): the streams go
 round-robin over them, as a Service spreads connections over gateway pods, and the gateway TTFT sums every
 gateway's histogram. With `--model`, the offline LLM then runs the same requests: the ratio serving/offline,
-and the TTFT the bus adds (one request alone, through the first gateway vs. offline prefill).
+the TTFT the bus adds (one request alone, through the first gateway vs. offline prefill), and the served TTFT p99
+against the offline engine's for the same arrival: all at once, and each request given to it when the served
+one was written (both counted from that moment).
 `--workload shared-prefix` runs multi-turn conversations over shared prefixes instead (shared_prefix.py) and
 adds the cache hit rate, to compare routing policies.
 """
@@ -33,7 +36,7 @@ import httpx
 from kubesgl import env
 from kubesgl.bench import shared_prefix
 from kubesgl.bench.offline import make_workload
-from kubesgl.bench.sse_client import HttpStatusError, post_events
+from kubesgl.bench.sse_client import Connection, HttpStatusError, connect, post_events
 from kubesgl.bench.timing import RequestTiming, percentile
 from kubesgl.runtime.process import freeze_heap
 
@@ -74,6 +77,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "prompts hit the prefix cache the first run filled",
     )
     p.add_argument("--max-concurrency", type=int, default=0, help="requests in flight at once (0 = all)")
+    p.add_argument(
+        "--connect-first",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="open the burst's connections before its clock starts, then write every request together (a "
+        "client's warm connections); --no-connect-first connects each request as it starts (the burst's sends "
+        "then spread over one event loop's connects)",
+    )
     p.add_argument("--model", default=None, help="model dir: also run the offline LLM on the same requests")
     p.add_argument("--device", default="cpu", help="offline LLM device (match the scheduler's)")
     p.add_argument("--page-size", type=int, default=1, help="offline LLM page size (match the scheduler's)")
@@ -116,7 +127,8 @@ def main(args: argparse.Namespace) -> int:
     }
     res.update(asyncio.run(_serve(args, prompts, max_tokens, headers)))
     if args.model:
-        res.update(_offline(args, prompts, max_tokens))
+        arrivals = res.pop("arrivals")
+        res.update(_offline(args, prompts, max_tokens, arrivals))
         res["serving_over_offline"] = round(res["output_tok_s"] / res["offline_output_tok_s"], 3)
         res["bus_ttft_overhead_s"] = round(res["single_ttft_s"] - res["offline_single_ttft_s"], 4)
         res["ttft_p99_over_offline"] = _ratio(res["ttft_p99_s"], res["offline_ttft_p99_s"])
@@ -124,6 +136,12 @@ def main(args: argparse.Namespace) -> int:
         res["ttft_after_send_p99_over_offline"] = _ratio(
             res["ttft_after_send_p99_s"], res["offline_ttft_p99_s"]
         )
+        # The same arrival, exactly: the offline engine given each request when the served one was written,
+        # both TTFTs counted from that moment.
+        res["ttft_after_send_p99_over_offline_same_arrival"] = _ratio(
+            res["ttft_after_send_p99_s"], res.get("offline_arrival_ttft_p99_s")
+        )
+    res.pop("arrivals", None)
     return _report(res, args)
 
 
@@ -157,7 +175,7 @@ async def _serve_shared_prefix(args: argparse.Namespace, headers: dict[str, str]
 
         async def send(ids: list[int], n: int) -> RequestTiming:
             url = urls[next(sent) % len(urls)]
-            return await _stream(url, headers, model, ids, n, args.temperature)
+            return await _stream(url, headers, _body(model, ids, n, args.temperature))
 
         return {"served_model": model, "gateways": len(urls), **await shared_prefix.run(send, args)}
 
@@ -170,24 +188,28 @@ async def _serve(
         model = args.served_model or await _first_model(http, urls[0])
         for url in urls:
             await _warm_up(url, headers, model, prompts[0][:8], args.temperature)
-        gate = asyncio.Semaphore(args.max_concurrency or len(prompts))
-
-        async def one(url: str, ids: list[int], n: int) -> RequestTiming:
-            async with gate:
-                return await _stream(url, headers, model, ids, n, args.temperature)
-
+        at_once = min(len(prompts), args.max_concurrency or len(prompts))
+        gate = asyncio.Semaphore(at_once)
+        url_of = [urls[i % len(urls)] for i in range(len(prompts))]  # round-robin, as a Service spreads them
+        bodies = [_body(model, p, n, args.temperature) for p, n in zip(prompts, max_tokens, strict=True)]
         before = await _gateway_ttft(http, urls, model)
-        start = time.perf_counter()
-        timings = await asyncio.gather(
-            *(
-                one(urls[i % len(urls)], p, n)  # round-robin, as a Service spreads connections over pods
-                for i, (p, n) in enumerate(zip(prompts, max_tokens, strict=True))
-            )
+        # The requests that start at once get their connections first (a client's warm connections), so the
+        # burst's writes leave together: its TTFT is then the server's, not one event loop's connects.
+        opened = (
+            await asyncio.gather(*(connect(url_of[i]) for i in range(at_once))) if args.connect_first else []
         )
+        start = time.perf_counter()
+
+        async def one(i: int) -> RequestTiming:
+            async with gate:
+                conn = opened[i] if i < len(opened) else None
+                return await _stream(url_of[i], headers, bodies[i], origin=start, connection=conn)
+
+        timings = await asyncio.gather(*(one(i) for i in range(len(prompts))))
         wall = time.perf_counter() - start
         after = await _gateway_ttft(http, urls, model)
         singles = [
-            await _stream(urls[0], headers, model, prompts[0], 1, args.temperature)
+            await _stream(urls[0], headers, _body(model, prompts[0], 1, args.temperature))
             for _ in range(SINGLE_TTFT_RUNS)
         ]
     ok = [t for t in timings if t.error is None]
@@ -222,7 +244,12 @@ async def _serve(
         "gateway_ttft_mean_s": gateway_mean,
         "gateway_ttft_count": int(counted),
         "gateway_over_client_ttft": _ratio(gateway_mean, client_mean),
+        "connect_first": bool(args.connect_first),
         "client_send_p50_s": percentile([t.sent for t in ok if t.sent is not None], 50),
+        "client_send_max_s": round(max(t.sent for t in ok if t.sent is not None), 4) if ok else None,
+        # When each request was written (seconds from the burst's start), for the offline replay; None when
+        # one failed (then the run fails anyway) or was never written.
+        "arrivals": [t.sent for t in timings] if len(ok) == len(timings) else None,
         "ttft_after_send_mean_s": after_send_mean,
         "ttft_after_send_p99_s": percentile(after_send, 99),
         "gateway_over_client_ttft_after_send": _ratio(gateway_mean, after_send_mean),
@@ -238,7 +265,7 @@ async def _warm_up(url: str, headers: dict[str, str], model: str, ids: list[int]
     (it heard the scheduler's heartbeat) a moment before the tokenizer has, and a burst sent then fails."""
     deadline = time.monotonic() + WARM_UP_TIMEOUT_S
     while True:
-        error = (await _stream(url, headers, model, ids, 2, temperature)).error
+        error = (await _stream(url, headers, _body(model, ids, 2, temperature))).error
         if error is None:
             return
         if not error.startswith("HTTP 503") or time.monotonic() > deadline:  # the burst will show it too
@@ -247,10 +274,8 @@ async def _warm_up(url: str, headers: dict[str, str], model: str, ids: list[int]
         await asyncio.sleep(0.5)
 
 
-async def _stream(
-    url: str, headers: dict[str, str], model: str, ids: list[int], n: int, temperature: float
-) -> RequestTiming:
-    """One streamed completion through sse_client (httpx's pool would add its own queue to the TTFT)."""
+def _body(model: str, ids: list[int], n: int, temperature: float) -> bytes:
+    """One streamed completion's request body, JSON-encoded before any clock starts."""
     body = {
         "model": model,
         "prompt": ids,
@@ -260,14 +285,26 @@ async def _stream(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    return json.dumps(body).encode()
+
+
+async def _stream(
+    url: str,
+    headers: dict[str, str],
+    body: bytes,
+    origin: float | None = None,
+    connection: Connection | None = None,
+) -> RequestTiming:
+    """One streamed completion through sse_client (httpx's pool would add its own queue to the TTFT). Its
+    times count from `origin` (a perf_counter reading: the burst's start), else from this call's start."""
     timing = RequestTiming()
-    start = time.perf_counter()
+    start = time.perf_counter() if origin is None else origin
 
     def on_sent() -> None:
         timing.sent = time.perf_counter() - start
 
     try:
-        async for data in post_events(url, "/v1/completions", body, headers, on_sent):
+        async for data in post_events(url, "/v1/completions", body, headers, on_sent, connection):
             if data != "[DONE]":
                 timing.on_event(json.loads(data), time.perf_counter() - start)
     except HttpStatusError as e:
@@ -277,7 +314,11 @@ async def _stream(
     return timing
 
 
-def _offline(args: argparse.Namespace, prompts: list[list[int]], max_tokens: list[int]) -> dict[str, Any]:
+def _offline(
+    args: argparse.Namespace, prompts: list[list[int]], max_tokens: list[int], arrivals: list[float] | None
+) -> dict[str, Any]:
+    """The offline LLM on the same requests: all at once (its throughput and TTFT), then once more with each
+    request arriving when the served one was written (`arrivals`), its TTFT counted from that arrival."""
     from kubesgl import LLM, SamplingParams
 
     llm = LLM(
@@ -298,6 +339,11 @@ def _offline(args: argparse.Namespace, prompts: list[list[int]], max_tokens: lis
         start = time.perf_counter()
         outs = llm.generate(prompts, params)
         wall = time.perf_counter() - start
+        replay = []
+        if arrivals is not None and all(a is not None for a in arrivals):
+            # Fresh prompts' KV: the replay must not find the first run's prefixes cached.
+            llm.engine.flush_cache()
+            replay = llm.generate(prompts, params, arrivals=arrivals)
         singles = []
         for _ in range(SINGLE_TTFT_RUNS):
             t = time.perf_counter()
@@ -315,6 +361,17 @@ def _offline(args: argparse.Namespace, prompts: list[list[int]], max_tokens: lis
         "offline_ttft_p50_s": percentile(ttfts, 50),
         "offline_ttft_p99_s": percentile(ttfts, 99),
         "offline_single_ttft_s": round(statistics.median(singles), 4),
+        **_arrival_ttfts(replay),
+    }
+
+
+def _arrival_ttfts(outs: list[dict[str, Any]]) -> dict[str, Any]:
+    ttfts = [o["ttft_s"] for o in outs if o["ttft_s"] is not None]
+    if not ttfts:
+        return {}
+    return {
+        "offline_arrival_ttft_p50_s": percentile(ttfts, 50),
+        "offline_arrival_ttft_p99_s": percentile(ttfts, 99),
     }
 
 
@@ -354,6 +411,14 @@ def _print(res: dict[str, Any]) -> None:
         ("output tok/s (serving)", res["output_tok_s"]),
         ("TTFT p50 / p99 (s)", f"{res['ttft_p50_s']} / {res['ttft_p99_s']}"),
     ]
+    if "client_send_max_s" in res:
+        rows.append(
+            (
+                "requests written after the burst's start p50 / max (s)",
+                f"{res['client_send_p50_s']} / {res['client_send_max_s']} "
+                f"({'connections opened first' if res['connect_first'] else 'each connects as it starts'})",
+            )
+        )
     if "gateway_ttft_mean_s" in res:
         rows.append(
             (
@@ -387,10 +452,15 @@ def _print(res: dict[str, Any]) -> None:
             ("output tok/s (offline LLM)", res["offline_output_tok_s"]),
             ("serving / offline", res["serving_over_offline"]),
             (
-                "TTFT p50 / p99 offline, same arrival (s)",
+                "TTFT p50 / p99 offline, all at once (s)",
                 f"{res['offline_ttft_p50_s']} / {res['offline_ttft_p99_s']} "
                 f"(served p99 / offline p99: {res['ttft_p99_over_offline']}; from each request's send: "
                 f"{res['ttft_after_send_p99_over_offline']})",
+            ),
+            (
+                "TTFT p50 / p99 offline, each request at its served send (s)",
+                f"{res.get('offline_arrival_ttft_p50_s')} / {res.get('offline_arrival_ttft_p99_s')} "
+                f"(served p99 from each send / this: {res.get('ttft_after_send_p99_over_offline_same_arrival')})",
             ),
             ("TTFT the bus adds (s)", res["bus_ttft_overhead_s"]),
         ]

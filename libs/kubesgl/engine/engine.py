@@ -195,6 +195,11 @@ class Engine:
         self._bitmask.fill(states)
         return plan, reqs, self.runner.sample_masked(pending, self._bitmask.upload(len(states)))
 
+    def flush_cache(self) -> int:
+        """Drops every prefix the cache holds that no request uses (SGLang's flush_cache): the next prompts
+        find nothing cached. Returns the pages freed."""
+        return self.cache.evict(self.cache.evictable_pages)
+
     def drain_kv_events(self) -> tuple[list[int], list[int]]:
         """Block hashes the prefix cache stored and removed since the last call (empty when events are off)."""
         return self.kv_events.drain() if self.kv_events is not None else ([], [])

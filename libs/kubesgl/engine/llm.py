@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import time
 from typing import Any
@@ -27,38 +28,56 @@ class LLM:
         self,
         prompts: list[str] | list[list[int]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        arrivals: list[float] | None = None,
     ) -> list[dict[str, Any]]:
         """Runs every prompt to completion; returns one dict per prompt, in order (with `prompt_logprobs`
-        when LogprobOptions.prompt_start asked for them). `ttft_s`: seconds from this call's start until the
-        step that returned the prompt's first output token (None if it produced none)."""
+        when LogprobOptions.prompt_start asked for them).
+
+        `arrivals` (seconds after this call's start, one per prompt; default all 0): a prompt reaches the
+        engine at the first step boundary after its arrival, as a served request reaches the scheduler between
+        steps, and the engine idles until the next arrival when it has nothing to run: a served burst's arrival
+        pattern replayed offline. `ttft_s`: seconds from the prompt's arrival until the step that returned its
+        first output token (None if it produced none)."""
         params = sampling_params if sampling_params is not None else SamplingParams()
         plist = params if isinstance(params, list) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise InvalidRequestError(f"{len(plist)} sampling params for {len(prompts)} prompts")
+        due = _check_arrivals(arrivals, len(prompts))
         token_lists = [self._encode(p) for p in prompts]
         rids = [f"offline-{next(self._ids)}" for _ in prompts]
+        order = sorted(range(len(prompts)), key=due.__getitem__)  # stable: equal arrivals keep prompt order
         added: list[str] = []
         start = time.perf_counter()
-        try:
-            for rid, toks, p in zip(rids, token_lists, plist, strict=True):
-                self.engine.add_request(rid, toks, p)
-                added.append(rid)
-        except Exception:
-            for rid in added:  # nothing half-started stays behind
-                self.engine.abort(rid)
-            while self.engine.has_work():
-                self.engine.step()
-            raise
+
+        def admit(now: float) -> None:
+            try:
+                while len(added) < len(order) and due[order[len(added)]] <= now - start:
+                    i = order[len(added)]
+                    self.engine.add_request(rids[i], token_lists[i], plist[i])
+                    added.append(rids[i])
+            except Exception:
+                for rid in added:  # nothing half-started stays behind
+                    self.engine.abort(rid)
+                while self.engine.has_work():
+                    self.engine.step()
+                raise
+
+        admit(start)
         results: dict[str, dict[str, Any]] = {
             rid: {"token_ids": [], "logprobs": [], "prompt_tokens": len(t), "ttft_s": None}
             for rid, t in zip(rids, token_lists, strict=True)
         }
+        arrival_of = {rid: start + d for rid, d in zip(rids, due, strict=True)}
         open_ids = set(rids)
         while open_ids:
+            if len(added) < len(order):
+                if not self.engine.has_work():  # idle until the next prompt arrives
+                    time.sleep(max(0.0, start + due[order[len(added)]] - time.perf_counter()))
+                admit(time.perf_counter())
             for out in self.engine.step():
                 r = results[out.rid]
                 if out.new_token_ids and r["ttft_s"] is None:
-                    r["ttft_s"] = time.perf_counter() - start
+                    r["ttft_s"] = time.perf_counter() - arrival_of[out.rid]
                 r["token_ids"] += out.new_token_ids
                 if out.logprobs:
                     r["logprobs"] += out.logprobs
@@ -94,6 +113,18 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _check_arrivals(arrivals: list[float] | None, n: int) -> list[float]:
+    if arrivals is None:
+        return [0.0] * n
+    if len(arrivals) != n:
+        raise InvalidRequestError(f"{len(arrivals)} arrivals for {n} prompts")
+    if not all(
+        isinstance(a, (int, float)) and not isinstance(a, bool) and 0 <= a < math.inf for a in arrivals
+    ):
+        raise InvalidRequestError("an arrival must be a finite number of seconds >= 0")
+    return [float(a) for a in arrivals]
 
 
 def _load_tokenizer(model_path: str) -> ModelTokenizer | None:

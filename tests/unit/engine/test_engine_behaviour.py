@@ -109,6 +109,50 @@ def test_generate_times_each_prompts_first_token_from_the_call(model: str) -> No
     assert ttfts == sorted(ttfts) and len(set(ttfts)) == 3, ttfts
 
 
+def test_generate_replays_arrivals_and_times_each_first_token_from_its_arrival(model: str) -> None:
+    """`arrivals` hold a prompt back until its time (bench serve replays a served burst's sends with it): the
+    late prompt's first token comes after its arrival, and its `ttft_s` counts from then. The tokens are the
+    ones the prompts get all at once (greedy; each prompt's rows are its own)."""
+    prompts = [_prompt(12, 40), _prompt(20, 41), _prompt(9, 42)]
+    sp = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    late = 0.4
+    with LLM(model) as llm:
+        together = llm.generate(prompts, sp)
+        llm.engine.flush_cache()
+        start = time.perf_counter()
+        spread = llm.generate(prompts, sp, arrivals=[0.0, late, 0.0])
+        wall = time.perf_counter() - start
+        assert _baseline(llm.engine)
+    assert [o["token_ids"] for o in spread] == [o["token_ids"] for o in together]
+    ttfts = [o["ttft_s"] for o in spread]
+    # Given to the engine at once, the late prompt's first token would come well before its arrival: < 0 here.
+    assert all(t is not None and t >= 0 for t in ttfts), ttfts
+    assert wall >= late and ttfts[1] <= wall - late, (wall, ttfts)
+
+
+@pytest.mark.parametrize(
+    "arrivals",
+    [[0.0], [0.0, -0.1], [0.0, float("nan")], [0.0, float("inf")], [0.0, True], [0.0, "1"]],
+    ids=["too-few", "negative", "nan", "inf", "bool", "str"],
+)
+def test_generate_refuses_bad_arrivals_and_starts_nothing(model: str, arrivals: list) -> None:
+    with LLM(model) as llm:
+        with pytest.raises(InvalidRequestError, match="arrival"):
+            llm.generate([_prompt(5, 1), _prompt(5, 2)], GREEDY, arrivals=arrivals)
+        assert _baseline(llm.engine) and not llm.engine.has_work()
+
+
+def test_flush_cache_drops_every_unused_prefix(model: str) -> None:
+    prompt = _prompt(64, 7)
+    with LLM(model, page_size=4) as llm:
+        llm.generate([prompt], GREEDY)
+        cached = llm.engine.stats().cached_prefix_pages
+        assert cached >= 64 // 4
+        assert llm.engine.flush_cache() == cached
+        assert llm.engine.stats().cached_prefix_pages == 0 and _baseline(llm.engine)
+        assert llm.generate([prompt], GREEDY)[0]["cached_tokens"] == 0
+
+
 def test_seeded_sampling_is_reproducible(model: str) -> None:
     p = _prompt(12, 4)
     with LLM(model) as llm:
