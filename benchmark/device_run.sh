@@ -54,6 +54,9 @@ case "$mode" in
     timeout 90 $B --model Qwen3-0.6B --attn triton | tail -1
     timeout 90 $B --model Qwen3-0.6B --cuda-graph-max-bs 0 | tail -1
     ;;
+  profile)  # the offline benchmark on today's defaults with the step profile (device ms per step by batch size)
+    env KUBESGL_STEP_PROFILE=1 timeout 80 $B --model Qwen3-0.6B 2>&1 | tail -14 | tee "$OUT/p_default.txt"
+    ;;
   bench)  # kernel microbenchmarks (projection latency, planned decode attention), the new kernels' GPU tests; table last
     K="python3 benchmark/kernel_bench.py --json $OUT/kb.jsonl"
     timeout 30 $K --part copy 2>&1 | grep -v Warn | tail -2
