@@ -150,9 +150,10 @@ case "$mode" in
               # gateway parse + hop, tokenizer, the scheduler's queue, the first token's step, detokenizer, SSE
     M=/tmp/kubesgl-serve/Qwen3-0.6B
     python3 -c "from kubesgl.models.random_init import write_serving_config as w; w('Qwen3-0.6B', '$M')"
-    # SERVETRACE_STREAMS="256,256": a second run on the same stack, its prompts new (the cache full of the first's)
+    # SERVETRACE_STREAMS="256,256": a second run on the same stack, its prompts new (the cache full of the first's);
+    # SERVETRACE_ARGS: more serve_path.py flags (e.g. "--gateway-workers 2", the chart's two gateway pods' share)
     timeout 300 python3 benchmark/serve_path.py --model $M --tokenizers 2 --detokenizers 2 --streams ${SERVETRACE_STREAMS:-256} --min-output 100 \
-      --max-output 1024 --trace-every 4 --ready-timeout 200 --json "$OUT/servetrace.jsonl" \
+      --max-output 1024 --trace-every 4 --ready-timeout 200 --json "$OUT/servetrace.jsonl" ${SERVETRACE_ARGS:-} \
       --scheduler-args "--device cuda --dummy-weight --page-size 16 --num-pages 17000 ${SERVE_SCHED_ARGS:-}" 2>&1 \
       | grep -v Warn | tail -16 | tee "$OUT/servetrace.txt"
     ;;
