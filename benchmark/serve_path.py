@@ -247,6 +247,17 @@ def stages(res: Result, spans: list[ReceivedSpan]) -> dict[str, float] | None:
     }
 
 
+def _timeline(traced: list[dict[str, float]]) -> dict[str, list[float]]:
+    if not traced:
+        return {}
+    t0 = min(s["arrival"] for s in traced)
+    out = {}
+    for key in ("arrival", "tokenizer", "scheduler", "prefill_start", "first_token"):
+        ms = sorted((s[key] - t0) / 1e6 for s in traced)
+        out[key] = [round(ms[0], 1), round(statistics.median(ms), 1), round(ms[-1], 1)]
+    return out
+
+
 def gateway_ttft(url: str) -> tuple[float, float]:
     """(sum, count) of the gateway's TTFT histogram for the demo model."""
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
@@ -327,6 +338,10 @@ async def run_once(
         }
         if traced
         else {},
+        # When the burst's traced requests passed each boundary, ms after the first one reached a gateway:
+        # [first, median, last]. A hop that holds a burst's requests until it has handled them all shows a
+        # first crossing near the stage before's last.
+        "timeline_ms": _timeline(traced),
         "cpu_us_per_token": {k: round(1e6 * v / max(tokens, 1), 1) for k, v in sorted(cpu.items())},
     }
     row["path_over_engine"] = (
@@ -359,6 +374,10 @@ def print_row(row: dict[str, Any]) -> None:
     print(f"  stages, mean over {row['traced']} traced requests (ms):")
     for name, ms in row["stage_ms_mean"].items():
         print(f"    {name:<28} {ms:>9}")
+    if row["timeline_ms"]:
+        print("  traced requests at each boundary, ms after the first reached a gateway: first / median / last")
+        for name, (a, b, c) in row["timeline_ms"].items():
+            print(f"    {name:<28} {a:>9} {b:>9} {c:>9}")
     print("  CPU per output token (us): " + ", ".join(f"{k} {v}" for k, v in row["cpu_us_per_token"].items()))
 
 

@@ -137,6 +137,7 @@ def build_app(config: GatewayConfig, board: WorkerBoard | None = None, index: in
             NatsSettings.from_env(config.nats_url),
             name=f"gateway-{config.gateway_id}",
             on_reconnect=metrics.nats.on_reconnect,
+            eager=True,  # a burst's first admission leaves while the gateway parses the rest (EagerClient)
         )
         bus = GatewayBus(
             nc, config.gateway_id, SchedulerRegistry(), metrics.nats, config.tokenize_attempt_timeout_s

@@ -105,6 +105,8 @@ def main(args: argparse.Namespace) -> int:
         )
 
     try:
-        return run_bus_service(args, f"tokenizer-{socket.gethostname()}-{os.getpid()}", registry, build)
+        # Eager NATS writes: a burst's first admission goes on to a scheduler while the tokenizer reads the rest.
+        name = f"tokenizer-{socket.gethostname()}-{os.getpid()}"
+        return run_bus_service(args, name, registry, build, eager=True)
     finally:
         tracing.shutdown()

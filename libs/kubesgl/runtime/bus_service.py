@@ -68,11 +68,13 @@ def run_bus_service(
     name: str,
     registry: CollectorRegistry,
     build: Callable[[Client, asyncio.Event], Awaitable[BusService]],
+    eager: bool = False,
 ) -> int:
-    """Runs the service to completion; returns the process exit code."""
+    """Runs the service to completion; returns the process exit code. `eager`: its NATS client writes each
+    publish at once (nats_conn.EagerClient), for a service that publishes once per request."""
     configure_logging(args.log_level)
     with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
-        return runner.run(_serve(args, name, registry, build))
+        return runner.run(_serve(args, name, registry, build, eager))
 
 
 def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
@@ -90,6 +92,7 @@ async def _serve(
     name: str,
     registry: CollectorRegistry,
     build: Callable[[Client, asyncio.Event], Awaitable[BusService]],
+    eager: bool,
 ) -> int:
     stop = stop_on_signals()
     service: BusService | None = None
@@ -108,7 +111,7 @@ async def _serve(
                 service.nats_reconnected()
 
         settings = NatsSettings.from_env(args.nats_url)
-        connecting = asyncio.create_task(connect(settings, name, on_reconnect=reconnected))
+        connecting = asyncio.create_task(connect(settings, name, on_reconnect=reconnected, eager=eager))
         stopping = asyncio.create_task(stop.wait())
         await asyncio.wait({connecting, stopping}, return_when=asyncio.FIRST_COMPLETED)
         if not connecting.done():

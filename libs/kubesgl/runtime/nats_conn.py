@@ -82,11 +82,40 @@ def add_nats_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+class EagerClient(Client):
+    """A client whose publishes reach the socket when they are made, not when its flusher task next runs.
+
+    nats-py buffers a publish and wakes its flusher task, which asyncio runs after every task already ready.
+    A gateway that has just read a burst of requests has one ready task per request, so the burst's first
+    admission left only after the last one had been parsed: on the 2-core box, 128 requests reached the gateway
+    within 25 ms and the first reached a tokenizer 220 ms later (`benchmark/serve_path.py`'s timeline). For a
+    service that publishes once per request (the gateway, the tokenizer) the write per publish costs a send
+    call, and the next hop starts on the first request while this one parses the rest.
+
+    It relies on nats-py's buffer (`_pending`, `_pending_data_size`) and its transport (`_transport`); where a
+    nats-py release changes them the client behaves as a plain one, which
+    `test_eager_client_publishes_before_its_event_loop_turns` catches."""
+
+    async def _send_command(self, cmd: bytes, priority: bool = False) -> None:
+        await super()._send_command(cmd, priority)
+        transport = getattr(self, "_transport", None)
+        pending = getattr(self, "_pending", None)
+        if not pending or transport is None or not self.is_connected:
+            return  # connecting or reconnecting: nats-py sends the buffer once it is connected
+        try:
+            transport.writelines(pending)
+        except OSError:
+            return  # left buffered: the flusher meets the same error and reconnects
+        self._pending = []
+        self._pending_data_size = 0
+
+
 async def connect(
-    settings: NatsSettings, name: str, on_reconnect: Callable[[], None] | None = None
+    settings: NatsSettings, name: str, on_reconnect: Callable[[], None] | None = None, eager: bool = False
 ) -> Client:
     """A connected client that logs disconnects/reconnects and keeps reconnecting until closed;
-    `on_reconnect` is called after each reconnect (e.g. to count it in metrics)."""
+    `on_reconnect` is called after each reconnect (e.g. to count it in metrics). `eager`: an EagerClient,
+    for a service that publishes once per request."""
 
     async def on_error(e: Exception) -> None:
         log.warning("nats %s: %s: %s", name, type(e).__name__, e)
@@ -103,7 +132,7 @@ async def connect(
     async def on_closed() -> None:
         log.info("nats %s: connection closed", name)
 
-    nc = Client()
+    nc = EagerClient() if eager else Client()
     options: dict[str, Any] = {
         "servers": list(settings.urls),
         "name": name,
