@@ -375,7 +375,9 @@ def print_row(row: dict[str, Any]) -> None:
     for name, ms in row["stage_ms_mean"].items():
         print(f"    {name:<28} {ms:>9}")
     if row["timeline_ms"]:
-        print("  traced requests at each boundary, ms after the first reached a gateway: first / median / last")
+        print(
+            "  traced requests at each boundary, ms after the first reached a gateway: first / median / last"
+        )
         for name, (a, b, c) in row["timeline_ms"].items():
             print(f"    {name:<28} {a:>9} {b:>9} {c:>9}")
     print("  CPU per output token (us): " + ", ".join(f"{k} {v}" for k, v in row["cpu_us_per_token"].items()))

@@ -19,7 +19,9 @@ def _subscribe(host: str, port: int, ready: threading.Event, got: threading.Even
     """A bare NATS subscriber: INFO, CONNECT + SUB + PING, then PONG means the subscription is in place."""
     with socket.create_connection((host, port), timeout=10) as s, s.makefile("rb") as f:
         f.readline()  # INFO
-        s.sendall(b'CONNECT {"verbose":false,"pedantic":false}\r\nSUB ' + SUBJECT.encode() + b" 1\r\nPING\r\n")
+        s.sendall(
+            b'CONNECT {"verbose":false,"pedantic":false}\r\nSUB ' + SUBJECT.encode() + b" 1\r\nPING\r\n"
+        )
         while f.readline().strip() != b"PONG":
             pass
         ready.set()
