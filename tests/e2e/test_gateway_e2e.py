@@ -525,9 +525,7 @@ def test_bench_serve_drives_the_gateway_and_reports_latencies(url, demo_model_di
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert res["failed"] == 0 and res["output_tokens"] == res["requested_output_tokens"]
     assert 0 < res["ttft_p50_s"] <= res["ttft_p99_s"] and res["itl_p50_s"] > 0 and res["output_tok_s"] > 0
-    assert (
-        res["connect_first"] and 0 < res["client_send_p50_s"] <= res["client_send_max_s"] < res["ttft_p99_s"]
-    )
+    assert res["connect_first"] and 0 <= res["client_send_p50_s"] <= res["client_send_max_s"]
     assert "arrivals" not in res and res["offline_output_tok_s"] > 0
     assert 0 < res["offline_arrival_ttft_p50_s"] <= res["offline_arrival_ttft_p99_s"]
     assert res["ttft_after_send_p99_over_offline_same_arrival"] == round(
