@@ -125,9 +125,9 @@ def main(args: argparse.Namespace) -> int:
         "prompt_tokens": sum(map(len, prompts)),
         "requested_output_tokens": sum(max_tokens),
     }
-    res.update(asyncio.run(_serve(args, prompts, max_tokens, headers)))
+    figures, arrivals = asyncio.run(_serve(args, prompts, max_tokens, headers))
+    res.update(figures)
     if args.model:
-        arrivals = res.pop("arrivals")
         res.update(_offline(args, prompts, max_tokens, arrivals))
         res["serving_over_offline"] = round(res["output_tok_s"] / res["offline_output_tok_s"], 3)
         res["bus_ttft_overhead_s"] = round(res["single_ttft_s"] - res["offline_single_ttft_s"], 4)
@@ -139,9 +139,8 @@ def main(args: argparse.Namespace) -> int:
         # The same arrival, exactly: the offline engine given each request when the served one was written,
         # both TTFTs counted from that moment.
         res["ttft_after_send_p99_over_offline_same_arrival"] = _ratio(
-            res["ttft_after_send_p99_s"], res.get("offline_arrival_ttft_p99_s")
+            res["ttft_after_send_p99_s"], res["offline_arrival_ttft_p99_s"]
         )
-    res.pop("arrivals", None)
     return _report(res, args)
 
 
@@ -182,7 +181,9 @@ async def _serve_shared_prefix(args: argparse.Namespace, headers: dict[str, str]
 
 async def _serve(
     args: argparse.Namespace, prompts: list[list[int]], max_tokens: list[int], headers: dict[str, str]
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], list[float] | None]:
+    """The burst's figures, and when each request was written (seconds from the burst's start: the offline
+    replay's arrivals; None when a request failed, which fails the run anyway)."""
     urls = gateway_urls(args)
     async with _client(headers) as http:
         model = args.served_model or await _first_model(http, urls[0])
@@ -195,14 +196,17 @@ async def _serve(
         before = await _gateway_ttft(http, urls, model)
         # The requests that start at once get their connections first (a client's warm connections), so the
         # burst's writes leave together: its TTFT is then the server's, not one event loop's connects.
+        # A connect that fails here is tried again by its request, which reports the error as any other.
         opened = (
-            await asyncio.gather(*(connect(url_of[i]) for i in range(at_once))) if args.connect_first else []
+            await asyncio.gather(*(connect(url_of[i]) for i in range(at_once)), return_exceptions=True)
+            if args.connect_first
+            else []
         )
         start = time.perf_counter()
 
         async def one(i: int) -> RequestTiming:
             async with gate:
-                conn = opened[i] if i < len(opened) else None
+                conn = opened[i] if i < len(opened) and not isinstance(opened[i], BaseException) else None
                 return await _stream(url_of[i], headers, bodies[i], origin=start, connection=conn)
 
         timings = await asyncio.gather(*(one(i) for i in range(len(prompts))))
@@ -229,7 +233,8 @@ async def _serve(
     # connect and send, in one event loop opening every connection of the burst, are before that).
     after_send = [t.ttft - t.sent for t in ok if t.ttft is not None and t.sent is not None]
     after_send_mean = round(statistics.mean(after_send), 4) if after_send else None
-    return {
+    sends = [t.sent for t in ok if t.sent is not None]
+    figures = {
         "served_model": model,
         "gateways": len(urls),
         "failed": len(timings) - len(ok),
@@ -245,11 +250,8 @@ async def _serve(
         "gateway_ttft_count": int(counted),
         "gateway_over_client_ttft": _ratio(gateway_mean, client_mean),
         "connect_first": bool(args.connect_first),
-        "client_send_p50_s": percentile([t.sent for t in ok if t.sent is not None], 50),
-        "client_send_max_s": round(max(t.sent for t in ok if t.sent is not None), 4) if ok else None,
-        # When each request was written (seconds from the burst's start), for the offline replay; None when
-        # one failed (then the run fails anyway) or was never written.
-        "arrivals": [t.sent for t in timings] if len(ok) == len(timings) else None,
+        "client_send_p50_s": percentile(sends, 50),
+        "client_send_max_s": percentile(sends, 100),
         "ttft_after_send_mean_s": after_send_mean,
         "ttft_after_send_p99_s": percentile(after_send, 99),
         "gateway_over_client_ttft_after_send": _ratio(gateway_mean, after_send_mean),
@@ -258,6 +260,8 @@ async def _serve(
         "tpot_p50_s": percentile(tpots, 50),
         "single_ttft_s": round(statistics.median(t.ttft or float("nan") for t in singles), 4),
     }
+    arrivals = [t.sent for t in timings if t.sent is not None]
+    return figures, arrivals if len(ok) == len(arrivals) == len(timings) else None
 
 
 async def _warm_up(url: str, headers: dict[str, str], model: str, ids: list[int], temperature: float) -> None:
@@ -344,7 +348,7 @@ def _offline(
         outs = llm.generate(prompts, params)
         wall = time.perf_counter() - start
         replay = []
-        if arrivals is not None and all(a is not None for a in arrivals):
+        if arrivals is not None:
             # Fresh prompts' KV: the replay must not find the first run's prefixes cached.
             llm.engine.flush_cache()
             replay = llm.generate(prompts, params, arrivals=arrivals)
@@ -356,27 +360,20 @@ def _offline(
     finally:
         llm.shutdown()
     out_tokens = sum(len(o["token_ids"]) for o in outs)
-    ttfts = [o["ttft_s"] for o in outs if o["ttft_s"] is not None]
     return {
         "offline_seconds": round(wall, 3),
         "offline_output_tok_s": round(out_tokens / wall, 2),
-        # Every request submitted at once, as the served run's streams all start together: the engine's own
-        # TTFT for the same arrival, which the served TTFT p99 is judged against.
-        "offline_ttft_p50_s": percentile(ttfts, 50),
-        "offline_ttft_p99_s": percentile(ttfts, 99),
+        # Every request submitted at once (offline_ttft_*), then each at its served send (offline_arrival_ttft_*:
+        # None without a replay): the served TTFT p99 is judged against both.
+        **_ttft_percentiles("offline_ttft", outs),
+        **_ttft_percentiles("offline_arrival_ttft", replay),
         "offline_single_ttft_s": round(statistics.median(singles), 4),
-        **_arrival_ttfts(replay),
     }
 
 
-def _arrival_ttfts(outs: list[dict[str, Any]]) -> dict[str, Any]:
+def _ttft_percentiles(prefix: str, outs: list[dict[str, Any]]) -> dict[str, float | None]:
     ttfts = [o["ttft_s"] for o in outs if o["ttft_s"] is not None]
-    if not ttfts:
-        return {}
-    return {
-        "offline_arrival_ttft_p50_s": percentile(ttfts, 50),
-        "offline_arrival_ttft_p99_s": percentile(ttfts, 99),
-    }
+    return {f"{prefix}_p50_s": percentile(ttfts, 50), f"{prefix}_p99_s": percentile(ttfts, 99)}
 
 
 async def _gateway_ttft(http: httpx.AsyncClient, urls: list[str], model: str) -> tuple[float, float] | None:
@@ -463,8 +460,8 @@ def _print(res: dict[str, Any]) -> None:
             ),
             (
                 "TTFT p50 / p99 offline, each request at its served send (s)",
-                f"{res.get('offline_arrival_ttft_p50_s')} / {res.get('offline_arrival_ttft_p99_s')} "
-                f"(served p99 from each send / this: {res.get('ttft_after_send_p99_over_offline_same_arrival')})",
+                f"{res['offline_arrival_ttft_p50_s']} / {res['offline_arrival_ttft_p99_s']} "
+                f"(served p99 from each send / this: {res['ttft_after_send_p99_over_offline_same_arrival']})",
             ),
             ("TTFT the bus adds (s)", res["bus_ttft_overhead_s"]),
         ]
