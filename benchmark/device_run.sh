@@ -111,6 +111,7 @@ case "$mode" in
           # SERVE_RUNS="1 2o 4" (default): gateways per run, "o" marks the run the offline engine follows, "p" a
           # run whose burst py-spy samples in the engine process (burst_engine.pyspy; its figures: serve_profiled.jsonl).
           # SERVE_SCHED_ARGS="--no-engine-process": the engine on a thread of the scheduler's service process (one GIL).
+          # SERVE_UP_ARGS: more `kubesgl up` flags, e.g. "--nats-gomaxprocs 0" (the embedded nats-server on every core).
     # A peer run cut short by an outer timeout leaves its engine holding the GPU (2026-12-06: the stack then
     # ran out of memory at start): free it first.
     pkill -9 -f "[m]inisgl_offline" && sleep 2
@@ -121,7 +122,7 @@ case "$mode" in
     KV=${SERVE_KV:---page-size 16 --num-pages $(python3 -c "import torch; print(24000 if torch.cuda.get_device_properties(0).total_memory > 100 * 2**30 else 17000)")}
     [ -n "${SERVE_MODEL:-}" ] || python3 -c "from kubesgl.models.random_init import write_serving_config as w; w('Qwen3-0.6B', '$M')"
     timeout 420 python3 -m kubesgl.cli up --model $M --device $DEV --port $P --base-port $((P + 100)) --gateways $G \
-      --gateway-workers ${SERVE_GATEWAY_WORKERS:-1} --tokenizers 2 --detokenizers 2 --scheduler-args "--dummy-weight $KV ${SERVE_SCHED_ARGS:-}" > "$OUT/serve_up.log" 2>&1 &
+      --gateway-workers ${SERVE_GATEWAY_WORKERS:-1} --tokenizers 2 --detokenizers 2 --scheduler-args "--dummy-weight $KV ${SERVE_SCHED_ARGS:-}" ${SERVE_UP_ARGS:-} > "$OUT/serve_up.log" 2>&1 &
     UP=$!
     C="python3 benchmark/service_cpu.py snapshot $UP"
     timeout 400 bash -c "for n in \$(seq 0 $((G - 1))); do python3 benchmark/wait_models.py http://127.0.0.1:\$(($P + n)) 150 || exit 1; done

@@ -172,7 +172,15 @@ def run_fake_scheduler(args: argparse.Namespace) -> int:
             return EngineLoop(make, telemetry, *callbacks, service.engine_kv_events)
 
         return SchedulerService(
-            nc, INSTANCE, "demo", args.max_running, 4096, loop, stop, stream_interval=args.stream_interval
+            nc,
+            INSTANCE,
+            "demo",
+            args.max_running,
+            4096,
+            loop,
+            stop,
+            stream_interval=args.stream_interval,
+            detok_batch_size=args.detok_batch_size,
         )
 
     try:
@@ -314,6 +322,7 @@ async def run_once(
         "step_ms": args.step_ms,
         "step_busy_ms": args.step_busy_ms,
         "stream_interval": args.stream_interval,
+        "detok_batch_size": args.detok_batch_size,
         "gateway_workers": args.gateway_workers,
         "failed": len(results) - len(ok),
         "errors": sorted({r.error for r in results if r.error})[:3],
@@ -400,6 +409,8 @@ async def main(args: argparse.Namespace) -> None:
             scheduler_args=(
                 "--stream-interval",
                 str(args.stream_interval),
+                "--detok-batch-size",
+                str(args.detok_batch_size),
                 "--max-running-requests",
                 str(args.max_running),
                 "--engine-process" if args.engine_process else "--no-engine-process",
@@ -421,7 +432,7 @@ async def main(args: argparse.Namespace) -> None:
                  str(admin), "--admin-host", "127.0.0.1", "--log-level", "warning", "--step-ms", str(args.step_ms),
                  "--prefill-tok-s", str(args.prefill_tok_s), "--max-running", str(args.max_running),
                  "--step-busy-ms", str(args.step_busy_ms),
-                 "--stream-interval", str(args.stream_interval),
+                 "--stream-interval", str(args.stream_interval), "--detok-batch-size", str(args.detok_batch_size),
                  "--engine-process" if args.engine_process else "--no-engine-process"],
                 env={**os.environ, **env},
             )  # fmt: skip
@@ -470,6 +481,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--min-output", type=int, default=64)
     parser.add_argument("--max-output", type=int, default=128)
     parser.add_argument("--stream-interval", type=int, default=1, help="the scheduler's --stream-interval")
+    parser.add_argument("--detok-batch-size", type=int, default=64, help="the scheduler's --detok-batch-size")
     parser.add_argument("--gateway-workers", type=int, default=1, help="the gateway's --workers")
     parser.add_argument("--trace-every", type=int, default=8, help="every k-th request is traced")
     parser.add_argument(

@@ -36,6 +36,7 @@ STOP_ORDER = ("gateway", "tokenizer", "scheduler", "detokenizer")
 DEMO = "demo"
 # The demo's random weights never pick EOS: without a cap, a request without max_tokens runs to the context end.
 DEMO_DEFAULT_MAX_TOKENS = 256
+NATS_GOMAXPROCS = 2  # the embedded nats-server's (StackConfig.nats_gomaxprocs)
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,9 @@ class StackConfig:
     # The other services' admin ports (/health /ready /metrics) from here up, in start order; 0 = free ports.
     base_port: int = 0
     nats_port: int = 0  # 0 = a free port
+    # The embedded nats-server's GOMAXPROCS (0: Go's default, one per core). Its work here is a few thousand small
+    # messages a second; with a thread per core on a many-core host, Go's idle threads spin and wake for each.
+    nats_gomaxprocs: int = NATS_GOMAXPROCS
     scheduler_args: tuple[str, ...] = ()
     tokenizer_args: tuple[str, ...] = ()
     gateway_args: tuple[str, ...] = ()
@@ -124,7 +128,9 @@ class Stack:
     def __init__(self, config: StackConfig, workdir: str | Path) -> None:
         self.config = config
         self.workdir = Path(workdir)
-        self.nats = NatsServer(self.workdir / "nats", port=config.nats_port)
+        self.nats = NatsServer(
+            self.workdir / "nats", port=config.nats_port, gomaxprocs=config.nats_gomaxprocs or None
+        )
         self.services: dict[str, ServiceProcess] = {}
         self._counts: dict[str, int] = dict.fromkeys(KINDS, 0)
         self._ports = planned_ports(config)
@@ -421,6 +427,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "order: schedulers, detokenizers, tokenizers (0 = free ports)",
     )
     parser.add_argument("--nats-port", type=int, default=0, help="embedded nats-server port (0 = free)")
+    parser.add_argument(
+        "--nats-gomaxprocs",
+        type=int,
+        default=NATS_GOMAXPROCS,
+        help="GOMAXPROCS of the embedded nats-server (0: Go's default, one per core; a GOMAXPROCS in the "
+        "environment wins)",
+    )
     parser.add_argument("--gateways", type=int, default=1)
     parser.add_argument(
         "--gateway-workers", type=int, default=1, help="worker processes per gateway, on its one port"
@@ -471,6 +484,7 @@ def main(args: argparse.Namespace) -> int:
         port=args.port,
         base_port=args.base_port,
         nats_port=args.nats_port,
+        nats_gomaxprocs=args.nats_gomaxprocs,
         scheduler_args=("--tp", str(args.tp), "--device", args.device, *scheduler_args),
         tokenizer_args=tuple(shlex.split(args.tokenizer_args)),
         gateway_args=tuple(shlex.split(args.gateway_args)),

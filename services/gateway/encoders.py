@@ -11,11 +11,13 @@ from typing import Any, Protocol
 
 from kubesgl.openai_api.responses import (
     ChoiceResult,
+    PlainTextFrames,
     chat_chunk,
     chat_response,
     completion_chunk,
     completion_response,
     native_response,
+    sse,
     usage_chunk,
     usage_of,
 )
@@ -32,6 +34,7 @@ from kubesgl.tool_formats import (
 class Encoder(Protocol):
     def prelude(self) -> list[dict[str, Any]]: ...
     def chunks(self, event: ChoiceEvent) -> list[dict[str, Any]]: ...
+    def frames(self, event: ChoiceEvent) -> bytes: ...
     def usage_chunk(self) -> dict[str, Any]: ...
     def final(self, results: list[ChoiceResult]) -> dict[str, Any]: ...
 
@@ -82,6 +85,9 @@ class ChatEncoder:
         self._tool_format = tool_format
         self._parallel = parallel_tool_calls
         self._tool_streams: dict[int, ToolCallStream | None] = {}
+        self._plain = PlainTextFrames(
+            rid, self.created, model, "chat.completion.chunk", "delta", include_usage, wrap=b'{"content":'
+        )
 
     def prelude(self) -> list[dict[str, Any]]:
         return [
@@ -91,12 +97,22 @@ class ChatEncoder:
             for i in range(self.n)
         ]
 
-    def chunks(self, event: ChoiceEvent) -> list[dict[str, Any]]:
-        self._progress.add(event)
+    def frames(self, event: ChoiceEvent) -> bytes:
+        """The event's SSE bytes: `chunks` as events, pre-encoded for a plain content delta."""
+        if event.text and not event.logprobs and event.finish_reason is None and self._calls(event) is None:
+            self._progress.add(event)
+            return self._plain.frame(event.index, event.text)
+        return _sse_all(self.chunks(event))
+
+    def _calls(self, event: ChoiceEvent) -> ToolCallStream | None:
         if event.index not in self._tool_streams:
             fmt = self._tool_format(event.index)
             self._tool_streams[event.index] = ToolCallStream(fmt) if fmt is not None else None
-        calls = self._tool_streams[event.index]
+        return self._tool_streams[event.index]
+
+    def chunks(self, event: ChoiceEvent) -> list[dict[str, Any]]:
+        self._progress.add(event)
+        calls = self._calls(event)
         finish: str | None = event.finish_reason
         if calls is None:
             deltas = [{"content": event.text}] if event.text else []
@@ -144,6 +160,10 @@ class ChatEncoder:
         return chunk
 
 
+def _sse_all(chunks: list[dict[str, Any]]) -> bytes:
+    return b"".join([sse(chunk) for chunk in chunks])
+
+
 def _first_call_only(delta: dict[str, Any]) -> bool:
     return all(c["index"] == 0 for c in delta.get("tool_calls", ()))
 
@@ -154,9 +174,17 @@ class CompletionEncoder:
         self.created = int(time.time())
         self._include_usage = include_usage
         self._progress = _Progress()
+        self._plain = PlainTextFrames(rid, self.created, model, "text_completion", "text", include_usage)
 
     def prelude(self) -> list[dict[str, Any]]:
         return []
+
+    def frames(self, event: ChoiceEvent) -> bytes:
+        """The event's SSE bytes: `chunks` as events, pre-encoded for plain text."""
+        if event.text and not event.logprobs and event.finish_reason is None:
+            self._progress.add(event)
+            return self._plain.frame(event.index, event.text)
+        return _sse_all(self.chunks(event))
 
     def chunks(self, event: ChoiceEvent) -> list[dict[str, Any]]:
         offset = len(self._progress.results[event.index].text) if event.index in self._progress.results else 0
@@ -188,6 +216,9 @@ class NativeEncoder:
 
     def prelude(self) -> list[dict[str, Any]]:
         return []
+
+    def frames(self, event: ChoiceEvent) -> bytes:
+        return _sse_all(self.chunks(event))
 
     def chunks(self, event: ChoiceEvent) -> list[dict[str, Any]]:
         r = self._progress.add(event)

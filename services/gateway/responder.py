@@ -150,7 +150,7 @@ async def _sse_stream(
 
 
 def _frames(encoder: Encoder, event: ChoiceEvent) -> bytes:
-    return b"".join([sse(chunk) for chunk in encoder.chunks(event)])
+    return encoder.frames(event)
 
 
 # The server's own `send`, put in the scope by the outermost ASGI layer (KeepServerSend).

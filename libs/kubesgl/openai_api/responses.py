@@ -193,3 +193,30 @@ def sse(body: dict[str, Any] | str) -> bytes:
 
 
 _JSON = msgspec.json.Encoder()
+
+
+class PlainTextFrames:
+    """One stream's SSE events for a plain text piece (no logprobs, no finish_reason), pre-encoded: the bytes
+    `sse(completion_chunk(...))` / `sse(chat_chunk(...))` write for it (`usage: null` after the choices with
+    include_usage), with only the text encoded per event. The bytes around the text are made once per choice
+    index from the same encoder, so they are the same bytes (tests/unit/openai_api pins it for every code point)."""
+
+    def __init__(
+        self, rid: str, created: int, model: str, obj: str, key: str, include_usage: bool, wrap: bytes = b""
+    ) -> None:
+        """`key`: the choice's field that holds the text ("text"; "delta" for chat, with `wrap` b'{"content":'
+        opening the object the text sits in)."""
+        self._head = (
+            b'data: {"id":' + _JSON.encode(rid) + b',"object":' + _JSON.encode(obj) + b',"created":'
+            + _JSON.encode(created) + b',"model":' + _JSON.encode(model) + b',"choices":[{"index":'
+        )  # fmt: skip
+        self._key = b',"' + key.encode() + b'":' + wrap
+        self._tail = (b"}" if wrap else b"") + b',"logprobs":null,"finish_reason":null}]'
+        self._tail += b',"usage":null}\n\n' if include_usage else b"}\n\n"
+        self._heads: dict[int, bytes] = {}
+
+    def frame(self, index: int, text: str) -> bytes:
+        head = self._heads.get(index)
+        if head is None:
+            head = self._heads[index] = self._head + _JSON.encode(index) + self._key
+        return head + _JSON.encode(text) + self._tail

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -26,15 +27,22 @@ def nats_server_binary() -> str:
 
 class NatsServer:
     """One nats-server with JetStream on 127.0.0.1; port 0 picks a free one (kept across restart()).
-    `args` are extra server flags (e.g. `--user u --pass p`, `--tls ...`)."""
+    `args` are extra server flags (e.g. `--user u --pass p`, `--tls ...`). `gomaxprocs`: the Go runtime's
+    GOMAXPROCS for the server (None: Go's default, a thread per core; a GOMAXPROCS in the environment wins)."""
 
     def __init__(
-        self, workdir: str | Path, port: int = 0, host: str = "127.0.0.1", args: tuple[str, ...] = ()
+        self,
+        workdir: str | Path,
+        port: int = 0,
+        host: str = "127.0.0.1",
+        args: tuple[str, ...] = (),
+        gomaxprocs: int | None = None,
     ) -> None:
         self.workdir = Path(workdir)
         self.host = host
         self.port = port
         self.args = args
+        self.gomaxprocs = gomaxprocs
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -53,8 +61,16 @@ class NatsServer:
         log = open(self.workdir / "nats-server.log", "ab")  # noqa: SIM115 - owned by the child
         # Own session: a terminal's Ctrl-C reaches only our process, which stops the services (they still
         # need NATS to drain) before it stops nats-server.
+        env = None
+        if self.gomaxprocs is not None and "GOMAXPROCS" not in os.environ:
+            env = {**os.environ, "GOMAXPROCS": str(self.gomaxprocs)}
         self.proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=parent_death_signal
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=parent_death_signal,
+            env=env,
         )
         log.close()
         end = time.monotonic() + timeout_s
