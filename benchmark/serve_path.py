@@ -481,7 +481,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--min-output", type=int, default=64)
     parser.add_argument("--max-output", type=int, default=128)
     parser.add_argument("--stream-interval", type=int, default=1, help="the scheduler's --stream-interval")
-    parser.add_argument("--detok-batch-size", type=int, default=64, help="the scheduler's --detok-batch-size")
+    parser.add_argument(
+        "--detok-batch-size", type=int, default=128, help="the scheduler's --detok-batch-size"
+    )
     parser.add_argument("--gateway-workers", type=int, default=1, help="the gateway's --workers")
     parser.add_argument("--trace-every", type=int, default=8, help="every k-th request is traced")
     parser.add_argument(

@@ -78,7 +78,7 @@ class SchedulerService:
         detok_timeout_s: float = 1.0,
         delivery_give_up_s: float = 30.0,
         kv_event_block_size: int = 0,
-        detok_batch_size: int = 64,
+        detok_batch_size: int = 128,
         stream_interval: int = 1,
         pd: PdHook | None = None,  # a prefill or decode role (--disaggregation-mode); None: both
     ) -> None:

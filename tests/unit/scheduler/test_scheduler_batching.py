@@ -384,7 +384,7 @@ async def test_a_detok_batch_size_below_one_is_refused_clearly(
 ) -> None:
     parser = argparse.ArgumentParser()
     scheduler_app.add_arguments(parser)
-    assert parser.parse_args(["--model", "m"]).detok_batch_size == 64
+    assert parser.parse_args(["--model", "m"]).detok_batch_size == 128
     with pytest.raises(SystemExit):
         parser.parse_args(["--model", "m", "--detok-batch-size", "0"])
     assert "--detok-batch-size: must be >= 1, got 0" in capsys.readouterr().err
