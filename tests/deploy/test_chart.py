@@ -464,6 +464,17 @@ def test_bundled_nats_enforces_the_token_the_services_send() -> None:
     assert env(gateway)["KUBESGL_NATS_URL"] == f"nats://{RELEASE}-nats:4222"
 
 
+def test_bundled_nats_runs_at_the_gomaxprocs_asked_for() -> None:
+    assert env(container(render({}), "StatefulSet", "nats"))["GOMAXPROCS"] == "2"
+    assert (
+        env(container(render({"nats": {"bundled": {"goMaxProcs": 6}}}), "StatefulSet", "nats"))["GOMAXPROCS"]
+        == "6"
+    )
+    assert "GOMAXPROCS" not in env(
+        container(render({"nats": {"bundled": {"goMaxProcs": 0}}}), "StatefulSet", "nats")
+    )
+
+
 def test_bundled_nats_cluster_and_jetstream() -> None:
     objects = render(VALUE_SETS["full-features"])
     conf = one(objects, "ConfigMap", "nats")["data"]["nats.conf"]
