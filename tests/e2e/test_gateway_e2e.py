@@ -514,15 +514,20 @@ def test_the_shell_caps_replies_by_default_so_it_never_streams_forever() -> None
     assert sampling_of(parse(["shell", "--max-tokens", "0", "--temperature", "0"])) == {"temperature": 0.0}
 
 
-def test_bench_serve_drives_the_gateway_and_reports_latencies(url, demo_model_dir, capsys) -> None:
+def test_bench_serve_drives_the_gateway_and_reports_latencies(url, demo_model_dir, capsys, tmp_path) -> None:
     """With `--model`, the offline LLM runs the same requests twice: all at once, then each when its served
-    request was written (the burst's connections opened first, so those writes leave together)."""
+    request was written (the burst's connections opened first, so those writes leave together). The burst hook
+    runs once on each side of the burst, its clock inside the hook's two runs."""
     parser = argparse.ArgumentParser()
     bench_serve.add_arguments(parser)
     flags = ["--url", url, "--num-seqs", "4", "--max-input", "32", "--max-output", "20"]
-    args = parser.parse_args([*flags, "--model", demo_model_dir, "--num-pages", "512"])
+    hook_log = tmp_path / "hook.log"
+    hook = f'echo "$BURST_PHASE $(date +%s.%N)" >> {hook_log}'
+    args = parser.parse_args([*flags, "--model", demo_model_dir, "--num-pages", "512", "--burst-hook", hook])
     assert bench_serve.main(args) == 0
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    (phase0, t0), (phase1, t1) = (line.split() for line in hook_log.read_text().splitlines())
+    assert (phase0, phase1) == ("start", "end") and float(t1) - float(t0) >= res["seconds"]
     assert res["failed"] == 0 and res["output_tokens"] == res["requested_output_tokens"]
     assert 0 < res["ttft_p50_s"] <= res["ttft_p99_s"] and res["itl_p50_s"] > 0 and res["output_tok_s"] > 0
     assert res["connect_first"] and 0 <= res["client_send_p50_s"] <= res["client_send_max_s"]

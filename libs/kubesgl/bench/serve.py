@@ -26,7 +26,9 @@ import argparse
 import asyncio
 import itertools
 import json
+import os
 import statistics
+import subprocess
 import sys
 import time
 from typing import Any
@@ -105,6 +107,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--dummy-weight", action="store_true", help="offline LLM on random weights (as the scheduler's flag)"
     )
     p.add_argument("--json", default=None, help="append the figures as one JSON line to this file")
+    p.add_argument(
+        "--burst-hook",
+        default=None,
+        help="a shell command run right before the burst's clock starts and right after its last stream ends "
+        "(BURST_PHASE=start / end in its environment), e.g. a snapshot of the services' CPU time that "
+        "leaves out the warm-up and the offline LLM's run",
+    )
     p.add_argument(
         "--workload",
         default="seed",
@@ -202,6 +211,7 @@ async def _serve(
             if args.connect_first
             else []
         )
+        await _burst_hook(args.burst_hook, "start")
         start = time.perf_counter()
 
         async def one(i: int) -> RequestTiming:
@@ -211,6 +221,7 @@ async def _serve(
 
         timings = await asyncio.gather(*(one(i) for i in range(len(prompts))))
         wall = time.perf_counter() - start
+        await _burst_hook(args.burst_hook, "end")
         after = await _gateway_ttft(http, urls, model)
         singles = [
             await _stream(urls[0], headers, _body(model, prompts[0], 1, args.temperature))
@@ -262,6 +273,16 @@ async def _serve(
     }
     arrivals = [t.sent for t in timings if t.sent is not None]
     return figures, arrivals if len(ok) == len(arrivals) == len(timings) else None
+
+
+async def _burst_hook(command: str | None, phase: str) -> None:
+    """Runs `command` (a shell command) to its end with BURST_PHASE=`phase`; its failure is reported, not fatal."""
+    if not command:
+        return
+    env = {**os.environ, "BURST_PHASE": phase}
+    done = await asyncio.to_thread(subprocess.run, command, shell=True, env=env, check=False)
+    if done.returncode != 0:
+        print(f"kubesgl bench serve: --burst-hook ({phase}) exited {done.returncode}", file=sys.stderr)
 
 
 async def _warm_up(url: str, headers: dict[str, str], model: str, ids: list[int], temperature: float) -> None:
