@@ -138,12 +138,14 @@ case "$mode" in
           wait; seed=\$((seed + 1)); continue
         fi
         # The services' CPU snapshots bracket the burst alone (--burst-hook): not the bench's warm-up, nor the
-        # offline LLM's run after it, while the services idle (until 2026-12-07 both counted, ~4 us/token at g2).
+        # offline LLM's run after it, while the services idle (until 2026-12-07 both counted: serve_cpu_whole.*).
+        $C g\$n >> $OUT/serve_cpu_whole.jsonl
         python3 -m kubesgl.cli bench serve $W --json $OUT/serve.jsonl --seed \$seed --url \$urls \$offline \
           --burst-hook \"$C g\$n >> $OUT/serve_cpu.jsonl\"
-        seed=\$((seed + 1))
+        $C g\$n >> $OUT/serve_cpu_whole.jsonl; seed=\$((seed + 1))
       done" 2>&1 | grep -v Warn | tail -80 | tee "$OUT/serve.txt"
     python3 benchmark/service_cpu.py summary "$OUT/serve_cpu.jsonl" "$OUT/serve.jsonl" | tee "$OUT/serve_cpu.txt"
+    python3 benchmark/service_cpu.py summary "$OUT/serve_cpu_whole.jsonl" "$OUT/serve.jsonl" > "$OUT/serve_cpu_whole.txt"
     [ -f "$OUT/burst_engine.pyspy" ] && python3 benchmark/pyspy_top.py "$OUT/burst_engine.pyspy" 30 > "$OUT/burst_engine.top.txt"
     kill -INT $UP; wait $UP
     grep -E "Traceback|Error" "$OUT/serve_up.log" | head -5
