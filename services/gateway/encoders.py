@@ -32,8 +32,10 @@ from kubesgl.tool_formats import (
 
 
 class Encoder(Protocol):
+    """What the responder asks of an endpoint's encoder: `frames(event)`, the SSE bytes of one event (its
+    `chunks(event)`, each as an event, where the encoder has no pre-encoded form for it)."""
+
     def prelude(self) -> list[dict[str, Any]]: ...
-    def chunks(self, event: ChoiceEvent) -> list[dict[str, Any]]: ...
     def frames(self, event: ChoiceEvent) -> bytes: ...
     def usage_chunk(self) -> dict[str, Any]: ...
     def final(self, results: list[ChoiceResult]) -> dict[str, Any]: ...
@@ -99,7 +101,7 @@ class ChatEncoder:
 
     def frames(self, event: ChoiceEvent) -> bytes:
         """The event's SSE bytes: `chunks` as events, pre-encoded for a plain content delta."""
-        if event.text and not event.logprobs and event.finish_reason is None and self._calls(event) is None:
+        if _plain(event) and self._calls(event) is None:
             self._progress.add(event)
             return self._plain.frame(event.index, event.text)
         return _sse_all(self.chunks(event))
@@ -160,6 +162,11 @@ class ChatEncoder:
         return chunk
 
 
+def _plain(event: ChoiceEvent) -> bool:
+    """Text alone, not the choice's last event: what PlainTextFrames writes."""
+    return bool(event.text) and not event.logprobs and event.finish_reason is None
+
+
 def _sse_all(chunks: list[dict[str, Any]]) -> bytes:
     return b"".join([sse(chunk) for chunk in chunks])
 
@@ -181,7 +188,7 @@ class CompletionEncoder:
 
     def frames(self, event: ChoiceEvent) -> bytes:
         """The event's SSE bytes: `chunks` as events, pre-encoded for plain text."""
-        if event.text and not event.logprobs and event.finish_reason is None:
+        if _plain(event):
             self._progress.add(event)
             return self._plain.frame(event.index, event.text)
         return _sse_all(self.chunks(event))

@@ -71,20 +71,15 @@ class RequestStream:
         before any scheduler (empty instance_id) is taken at once."""
         if delta.instance_id and self.instance_id is not None and delta.instance_id != self.instance_id:
             return False
-        if (
-            delta.seq == self._next_seq
-            and delta.error is None
-            and delta.instance_id == self.instance_id
-            and not self._held.get(delta.instance_id)
-        ):  # the usual delta: the next one, from the adopted instance, nothing held back
-            self._next_seq += 1
-            self._push(delta)
-            return True
         if delta.error is not None and (not delta.instance_id or delta.instance_id == self.instance_id):
             self._push(delta)  # an error ends the request whatever came before it
             return True
         if delta.seq >= self._next_seq:
-            self._held.setdefault(delta.instance_id, {}).setdefault(delta.seq, delta)
+            if delta.seq == self._next_seq and delta.instance_id == self.instance_id:
+                self._next_seq += 1
+                self._push(delta)  # the next one goes straight through: only later ones wait in `_held`
+            else:
+                self._held.setdefault(delta.instance_id, {}).setdefault(delta.seq, delta)
             self._release()
         return True
 
@@ -153,8 +148,8 @@ class RequestStream:
     def _release(self) -> None:
         if self.instance_id is None:
             return
-        held = self._held.get(self.instance_id, {})
-        while self._next_seq in held:
+        held = self._held.get(self.instance_id)
+        while held and self._next_seq in held:
             self._push(held.pop(self._next_seq))
             self._next_seq += 1
         if not held:

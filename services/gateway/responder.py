@@ -114,7 +114,7 @@ async def _sse_stream(
     single = len(group.choices) == 1
     writer: SseWriter[ChoiceEvent] = SseWriter(
         send,
-        render=lambda events: _frames(encoder, joined(events)),
+        render=lambda events: encoder.frames(joined(events)),
         on_sent=scope.metrics.on_tokens,
         on_render_error=group.choices[0].fail_pushed,
     )
@@ -125,10 +125,10 @@ async def _sse_stream(
         async for event in group.events():
             if single and event.finish_reason is not None:
                 # The choice's last event: it goes out with the end of the stream, its tokens timed then.
-                tail.append(_frames(encoder, event))
+                tail.append(encoder.frames(event))
                 writer.count(len(event.token_ids))
                 continue
-            await writer.write(_frames(encoder, event), len(event.token_ids))
+            await writer.write(encoder.frames(event), len(event.token_ids))
         if include_usage:
             tail.append(sse(encoder.usage_chunk()))
         status = 200
@@ -147,10 +147,6 @@ async def _sse_stream(
         _close(group, scope, status)
     tail.append(_DONE)
     await writer.end(b"".join(tail))
-
-
-def _frames(encoder: Encoder, event: ChoiceEvent) -> bytes:
-    return encoder.frames(event)
 
 
 # The server's own `send`, put in the scope by the outermost ASGI layer (KeepServerSend).

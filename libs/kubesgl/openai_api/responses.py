@@ -199,8 +199,8 @@ class PlainTextFrames:
     """One stream's SSE events for a plain text piece (no logprobs, no finish_reason), pre-encoded: the bytes
     `sse(completion_chunk(...))` / `sse(chat_chunk(...))` write for it (`usage: null` after the choices with
     include_usage), with only the text encoded per event. The bytes around the text are made once per choice
-    index from the same encoder, so they are the same bytes (tests/unit/gateway/test_gateway_encoders.py pins it for every
-    code point)."""
+    index from the same encoder, so they are the same bytes (tests/unit/gateway/test_gateway_encoders.py pins
+    it for every code point)."""
 
     def __init__(
         self, rid: str, created: int, model: str, obj: str, key: str, include_usage: bool, wrap: bytes = b""
