@@ -180,7 +180,7 @@ def run_fake_scheduler(args: argparse.Namespace) -> int:
             loop,
             stop,
             stream_interval=args.stream_interval,
-            detok_batch_size=args.detok_batch_size,
+            **({"detok_batch_size": args.detok_batch_size} if args.detok_batch_size else {}),
         )
 
     try:
@@ -409,8 +409,7 @@ async def main(args: argparse.Namespace) -> None:
             scheduler_args=(
                 "--stream-interval",
                 str(args.stream_interval),
-                "--detok-batch-size",
-                str(args.detok_batch_size),
+                *_detok_batch_flag(args),
                 "--max-running-requests",
                 str(args.max_running),
                 "--engine-process" if args.engine_process else "--no-engine-process",
@@ -432,7 +431,7 @@ async def main(args: argparse.Namespace) -> None:
                  str(admin), "--admin-host", "127.0.0.1", "--log-level", "warning", "--step-ms", str(args.step_ms),
                  "--prefill-tok-s", str(args.prefill_tok_s), "--max-running", str(args.max_running),
                  "--step-busy-ms", str(args.step_busy_ms),
-                 "--stream-interval", str(args.stream_interval), "--detok-batch-size", str(args.detok_batch_size),
+                 "--stream-interval", str(args.stream_interval), *_detok_batch_flag(args),
                  "--engine-process" if args.engine_process else "--no-engine-process"],
                 env={**os.environ, **env},
             )  # fmt: skip
@@ -467,6 +466,11 @@ async def main(args: argparse.Namespace) -> None:
             stack.stop(timeout_s=10)
 
 
+def _detok_batch_flag(args: argparse.Namespace) -> list[str]:
+    """The scheduler's --detok-batch-size where one was given; else it keeps its own default."""
+    return ["--detok-batch-size", str(args.detok_batch_size)] if args.detok_batch_size else []
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--streams", type=lambda s: [int(x) for x in s.split(",")], default=[64, 256])
@@ -482,7 +486,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-output", type=int, default=128)
     parser.add_argument("--stream-interval", type=int, default=1, help="the scheduler's --stream-interval")
     parser.add_argument(
-        "--detok-batch-size", type=int, default=128, help="the scheduler's --detok-batch-size"
+        "--detok-batch-size",
+        type=int,
+        default=None,
+        help="the scheduler's --detok-batch-size (default: its own)",
     )
     parser.add_argument("--gateway-workers", type=int, default=1, help="the gateway's --workers")
     parser.add_argument("--trace-every", type=int, default=8, help="every k-th request is traced")

@@ -25,7 +25,7 @@ from kubesgl.runtime.telemetry.tracing import Tracing
 from kubesgl.services.scheduler.engine_loop import EngineLoop
 from kubesgl.services.scheduler.engine_process import EngineProcess
 from kubesgl.services.scheduler.pd import PdHook
-from kubesgl.services.scheduler.service import SchedulerService
+from kubesgl.services.scheduler.service import DETOK_BATCH_SIZE, SchedulerService
 from kubesgl.values.outputs import ModelInfo
 from nats.aio.client import Client
 
@@ -138,7 +138,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--detok-batch-size",
         type=_positive_int,
-        default=128,
+        default=DETOK_BATCH_SIZE,
         help="most requests' deltas in one TokenDeltaBatch; a step with more running requests sends several "
         "at once, which the detokenizer replicas decode in parallel (128 take one ~2 ms on an H100 host, "
         "under a decode step; 256 running requests are one batch for each of the chart's two replicas)",

@@ -63,6 +63,9 @@ log = logging.getLogger("kubesgl.scheduler")
 _RECENT_RIDS = 10_000  # finished rids remembered so a late retry of their admission is acked, not rerun
 _DEADLINE_GRACE_S = 2.0  # past its deadline the gateway has given up; after this grace, we do too
 _BATCH_HEADROOM_BYTES = 1024  # a TokenDeltaBatch stays this far under the server's max_payload
+# Deltas per TokenDeltaBatch (--detok-batch-size): 256 running requests are one batch for each of the chart's two
+# detokenizers, and each batch costs a message to every gateway holding its requests (64 until 2026-12-07).
+DETOK_BATCH_SIZE = 128
 
 
 class SchedulerService:
@@ -78,7 +81,7 @@ class SchedulerService:
         detok_timeout_s: float = 1.0,
         delivery_give_up_s: float = 30.0,
         kv_event_block_size: int = 0,
-        detok_batch_size: int = 128,
+        detok_batch_size: int = DETOK_BATCH_SIZE,
         stream_interval: int = 1,
         pd: PdHook | None = None,  # a prefill or decode role (--disaggregation-mode); None: both
     ) -> None:
