@@ -211,7 +211,7 @@ async def _serve(
             if args.connect_first
             else []
         )
-        await _burst_hook(args.burst_hook, "start")
+        hook_failed = ["start"] if await _burst_hook(args.burst_hook, "start") else []
         start = time.perf_counter()
 
         async def one(i: int) -> RequestTiming:
@@ -221,7 +221,7 @@ async def _serve(
 
         timings = await asyncio.gather(*(one(i) for i in range(len(prompts))))
         wall = time.perf_counter() - start
-        await _burst_hook(args.burst_hook, "end")
+        hook_failed += ["end"] if await _burst_hook(args.burst_hook, "end") else []
         after = await _gateway_ttft(http, urls, model)
         singles = [
             await _stream(urls[0], headers, _body(model, prompts[0], 1, args.temperature))
@@ -271,18 +271,23 @@ async def _serve(
         "tpot_p50_s": percentile(tpots, 50),
         "single_ttft_s": round(statistics.median(t.ttft or float("nan") for t in singles), 4),
     }
+    if hook_failed:
+        figures["burst_hook_failed"] = hook_failed
     arrivals = [t.sent for t in timings if t.sent is not None]
     return figures, arrivals if len(ok) == len(arrivals) == len(timings) else None
 
 
-async def _burst_hook(command: str | None, phase: str) -> None:
-    """Runs `command` (a shell command) to its end with BURST_PHASE=`phase`; its failure is reported, not fatal."""
+async def _burst_hook(command: str | None, phase: str) -> int:
+    """Runs `command` (a shell command) to its end with BURST_PHASE=`phase`; returns its exit status (0 without
+    one). A failure does not stop the burst: it is printed, and the run's figures name the phase
+    (`burst_hook_failed`), since whatever the hook measured for it is then missing."""
     if not command:
-        return
+        return 0
     env = {**os.environ, "BURST_PHASE": phase}
     done = await asyncio.to_thread(subprocess.run, command, shell=True, env=env, check=False)
     if done.returncode != 0:
         print(f"kubesgl bench serve: --burst-hook ({phase}) exited {done.returncode}", file=sys.stderr)
+    return done.returncode
 
 
 async def _warm_up(url: str, headers: dict[str, str], model: str, ids: list[int], temperature: float) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from kubesgl.launcher import NATS_GOMAXPROCS, StackConfig
+from kubesgl.launcher import NATS_GOMAXPROCS, Stack, StackConfig
 from kubesgl.runtime.nats_server import NatsServer
 
 
@@ -21,8 +21,11 @@ def _server_env(tmp_path: Path, gomaxprocs: int | None) -> dict[str, str]:
     return dict(item.split("=", 1) for item in raw.decode().split("\0") if "=" in item)
 
 
-def test_the_stack_asks_for_its_constant() -> None:
+def test_the_stack_asks_for_its_constant(tmp_path: Path) -> None:
     assert StackConfig("m", "m").nats_gomaxprocs == NATS_GOMAXPROCS == 2
+    # ... and hands it to its server; 0 leaves Go's default.
+    assert Stack(StackConfig("m", "m"), tmp_path / "a").nats.gomaxprocs == 2
+    assert Stack(StackConfig("m", "m", nats_gomaxprocs=0), tmp_path / "b").nats.gomaxprocs is None
 
 
 def test_gomaxprocs_reaches_the_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
