@@ -109,7 +109,9 @@ case "$mode" in
           # SERVE_GATEWAY_WORKERS=N runs each gateway as N processes on its port (--gateway-workers, default 1),
           # so g1 is one gateway pod of N workers (serve_cpu.txt lists each worker).
           # SERVE_RUNS="1 2o 4" (default): gateways per run, "o" marks the run the offline engine follows, "p" a
-          # run whose burst py-spy samples in the engine process (burst_engine.pyspy; its figures: serve_profiled.jsonl).
+          # run whose burst py-spy samples in the engine process (burst_engine.pyspy; its figures: serve_profiled.jsonl),
+          # "s" one whose burst py-spy samples (GIL, not pausing them) in the scheduler's service process, gateway 0,
+          # detokenizer 0 and tokenizer 0 (burst_<service>_<port>.pyspy and .top.txt; e.g. "2os").
           # SERVE_SCHED_ARGS="--no-engine-process": the engine on a thread of the scheduler's service process (one GIL).
           # SERVE_UP_ARGS: more `kubesgl up` flags, e.g. "--nats-gomaxprocs 0" (the embedded nats-server on every core).
     # A peer run cut short by an outer timeout leaves its engine holding the GPU (2026-12-06: the stack then
@@ -128,8 +130,9 @@ case "$mode" in
     timeout 400 bash -c "for n in \$(seq 0 $((G - 1))); do python3 benchmark/wait_models.py http://127.0.0.1:\$(($P + n)) 150 || exit 1; done
       seed=1
       for run in ${SERVE_RUNS:-1 2o 4}; do
-        n=\${run%[op]}; urls=\$(seq -s, -f 'http://127.0.0.1:%.0f' $P \$(($P + n - 1))); offline=''
-        [ \$n\o = \$run ] && offline='--model $M --dummy-weight --device $DEV $KV'
+        n=\${run%%[ops]*}; urls=\$(seq -s, -f 'http://127.0.0.1:%.0f' $P \$(($P + n - 1))); offline=''; spy=''
+        case \$run in *o*) offline='--model $M --dummy-weight --device $DEV $KV';; esac
+        case \$run in *s*) spy=\"; python3 benchmark/service_cpu.py spy $UP $OUT scheduler:$((P + 100)) gateway:$P detokenizer:$((P + 101)) tokenizer:$((P + 103))\";; esac
         if [ \$n\p = \$run ]; then  # profiled: py-spy on the engine process over the burst, figures kept apart
           command -v py-spy > /dev/null || echo 'no py-spy here: carry its wheel in .whl (device_wheels.sh)'
           eng=\$(pgrep -P \$(pgrep -f '[k]ubesgl.cli scheduler' | head -1) -f spawn_main | tail -1)
@@ -141,12 +144,15 @@ case "$mode" in
         # offline LLM's run after it, while the services idle (until 2026-12-07 both counted: serve_cpu_whole.*).
         $C g\$n >> $OUT/serve_cpu_whole.jsonl
         python3 -m kubesgl.cli bench serve $W --json $OUT/serve.jsonl --seed \$seed --url \$urls \$offline \
-          --burst-hook \"$C g\$n >> $OUT/serve_cpu.jsonl\"
+          --burst-hook \"$C g\$n >> $OUT/serve_cpu.jsonl\$spy\"
         $C g\$n >> $OUT/serve_cpu_whole.jsonl; seed=\$((seed + 1))
       done" 2>&1 | grep -v Warn | tail -80 | tee "$OUT/serve.txt"
     python3 benchmark/service_cpu.py summary "$OUT/serve_cpu.jsonl" "$OUT/serve.jsonl" | tee "$OUT/serve_cpu.txt"
     python3 benchmark/service_cpu.py summary "$OUT/serve_cpu_whole.jsonl" "$OUT/serve.jsonl" > "$OUT/serve_cpu_whole.txt"
     [ -f "$OUT/burst_engine.pyspy" ] && python3 benchmark/pyspy_top.py "$OUT/burst_engine.pyspy" 30 > "$OUT/burst_engine.top.txt"
+    for f in "$OUT"/burst_*_[0-9]*.pyspy; do
+      [ -f "$f" ] && python3 benchmark/pyspy_top.py "$f" 60 > "${f%.pyspy}.top.txt"
+    done
     kill -INT $UP; wait $UP
     grep -E "Traceback|Error" "$OUT/serve_up.log" | head -5
     ;;

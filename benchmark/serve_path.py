@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+from kubesgl.bench.serve import burst_hook
 from kubesgl.bench.sse_client import post_events
 from kubesgl.bench.timing import percentile
 from kubesgl.launcher import Stack, StackConfig, free_port, resolve_model
@@ -303,11 +304,13 @@ async def run_once(
     await drive(url, prompts[:2], [4, 4], 10**9)  # warm-up
     receiver.snapshot()
     ttft0 = gateway_ttft(url)
+    hook_failed = ["start"] if await burst_hook(args.burst_hook, "start") else []
     cpu0 = cpu_seconds(procs)
     start = time.perf_counter()
     results = await drive(url, prompts, outputs, args.trace_every)
     wall = time.perf_counter() - start
     cpu = {k: v - cpu0[k] for k, v in cpu_seconds(procs).items()}
+    hook_failed += ["end"] if await burst_hook(args.burst_hook, "end") else []
     ttft1 = gateway_ttft(url)
     await asyncio.sleep(1.5)  # the services' span batches (OTEL_BSP_SCHEDULE_DELAY) arrive
     spans = receiver.snapshot()
@@ -325,6 +328,7 @@ async def run_once(
         "detok_batch_size": args.detok_batch_size,
         "gateway_workers": args.gateway_workers,
         "failed": len(results) - len(ok),
+        "burst_hook_failed": hook_failed,
         "errors": sorted({r.error for r in results if r.error})[:3],
         "output_tokens": tokens,
         "tokens_per_chunk": round(tokens / max(sum(r.chunks for r in ok), 1), 3),
@@ -493,6 +497,11 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--gateway-workers", type=int, default=1, help="the gateway's --workers")
     parser.add_argument("--trace-every", type=int, default=8, help="every k-th request is traced")
+    parser.add_argument(
+        "--burst-hook",
+        help="a shell command run right before each burst and right after it (BURST_PHASE=start|end), as "
+        "`kubesgl bench serve --burst-hook`'s: e.g. a profiler attached over the burst alone",
+    )
     parser.add_argument(
         "--model",
         default=None,

@@ -4,6 +4,11 @@ full core.
 
     python3 benchmark/service_cpu.py snapshot UP_PID LABEL >> cpu.jsonl    # before and after each bench run
     python3 benchmark/service_cpu.py summary cpu.jsonl serve.jsonl        # per run: CPU us per output token
+    python3 benchmark/service_cpu.py spy UP_PID OUT_DIR NAME...           # a burst hook: py-spy on those services
+
+`spy`, run as `kubesgl bench serve --burst-hook` with BURST_PHASE=start, starts py-spy (GIL samples, not pausing
+the process) on each named service (`scheduler:8100`, `gateway:8000`, ...) for SPY_SECONDS (default 6) and
+returns at once; each writes OUT_DIR/burst_<name>.pyspy. At BURST_PHASE=end it does nothing.
 
 `summary` pairs the snapshots in order (before, after, before, after, ...) with serve.jsonl's lines (one per
 `kubesgl bench serve` run, in the same order) and divides each process's CPU by the run's output tokens; a
@@ -14,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -46,21 +52,30 @@ def _name(pid: int) -> str:
     return os.path.basename(argv[0]) or str(pid)
 
 
-def snapshot(root: int, label: str) -> dict[str, object]:
+def _tree(root: int, cpu: dict[int, float] | None = None) -> dict[int, str]:
+    """Every process under `root` (itself included), named; `cpu` is filled with each one's CPU seconds."""
     parents: dict[int, int] = {}
-    cpu: dict[int, float] = {}
+    seconds: dict[int, float] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit() and (st := _stat(int(entry))) is not None:
-            parents[int(entry)], cpu[int(entry)] = st
+            parents[int(entry)], seconds[int(entry)] = st
     under = {root}
     for _ in range(8):  # `timeout` -> launcher -> services (a scheduler's TP ranks one level deeper)
         under |= {pid for pid, parent in parents.items() if parent in under}
-    names = {p: _name(p) for p in under}
+    names = {p: _name(p) for p in under if p in parents}
     # A multiprocessing child (the scheduler's engine process, its TP ranks) is named by its parent, parents first.
-    for p in sorted(under):
+    for p in sorted(names):
         if names[p] in ("python", "python3") and parents[p] in names:
             names[p] = f"{names[parents[p]]} child {p}"
-    return {"label": label, "t": time.time(), "cpu_s": {names[p]: round(cpu[p], 3) for p in sorted(under)}}
+    if cpu is not None:
+        cpu.update({p: seconds[p] for p in names})
+    return names
+
+
+def snapshot(root: int, label: str) -> dict[str, object]:
+    cpu: dict[int, float] = {}
+    names = _tree(root, cpu)
+    return {"label": label, "t": time.time(), "cpu_s": {names[p]: round(cpu[p], 3) for p in sorted(names)}}
 
 
 def summary(cpu_path: str, serve_path: str) -> None:
@@ -75,8 +90,33 @@ def summary(cpu_path: str, serve_path: str) -> None:
             print(f"  {name:<22} {per_token:8.1f} us/token  {cores:5.2f} cores")
 
 
+def spy(root: int, out_dir: str, names: list[str]) -> None:
+    if os.environ.get("BURST_PHASE") != "start":
+        return
+    procs = {name: pid for pid, name in _tree(root).items() if name in names}
+    for name in names:
+        if name not in procs:
+            print(f"service_cpu spy: no {name} under {root}", file=sys.stderr)
+            continue
+        out = Path(out_dir) / f"burst_{name.replace(':', '_')}.pyspy"
+        cmd = ["py-spy", "record", "--gil", "--nonblocking", "-r", "250", "-f", "raw", "-o", str(out)]
+        cmd += ["-d", os.environ.get("SPY_SECONDS", "6"), "-p", str(procs[name])]
+        try:
+            subprocess.Popen(
+                cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+            )
+        except FileNotFoundError:  # the burst runs on: its CPU snapshots are the hook's other half
+            print(
+                "service_cpu spy: no py-spy on PATH (carry its wheel in .whl: device_wheels.sh)",
+                file=sys.stderr,
+            )
+            return
+
+
 if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "snapshot":
+    if len(sys.argv) >= 5 and sys.argv[1] == "spy":
+        spy(int(sys.argv[2]), sys.argv[3], sys.argv[4:])
+    elif len(sys.argv) == 4 and sys.argv[1] == "snapshot":
         print(json.dumps(snapshot(int(sys.argv[2]), sys.argv[3])), flush=True)
     elif len(sys.argv) == 4 and sys.argv[1] == "summary":
         summary(sys.argv[2], sys.argv[3])

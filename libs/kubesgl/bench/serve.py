@@ -211,7 +211,7 @@ async def _serve(
             if args.connect_first
             else []
         )
-        hook_failed = ["start"] if await _burst_hook(args.burst_hook, "start") else []
+        hook_failed = ["start"] if await burst_hook(args.burst_hook, "start") else []
         start = time.perf_counter()
 
         async def one(i: int) -> RequestTiming:
@@ -221,7 +221,7 @@ async def _serve(
 
         timings = await asyncio.gather(*(one(i) for i in range(len(prompts))))
         wall = time.perf_counter() - start
-        hook_failed += ["end"] if await _burst_hook(args.burst_hook, "end") else []
+        hook_failed += ["end"] if await burst_hook(args.burst_hook, "end") else []
         after = await _gateway_ttft(http, urls, model)
         singles = [
             await _stream(urls[0], headers, _body(model, prompts[0], 1, args.temperature))
@@ -277,7 +277,7 @@ async def _serve(
     return figures, arrivals if len(ok) == len(arrivals) == len(timings) else None
 
 
-async def _burst_hook(command: str | None, phase: str) -> int:
+async def burst_hook(command: str | None, phase: str) -> int:
     """Runs `command` (a shell command) to its end with BURST_PHASE=`phase`; returns its exit status (0 without
     one). A failure does not stop the burst: it is printed, and the run's figures name the phase
     (`burst_hook_failed`), since whatever the hook measured for it is then missing."""

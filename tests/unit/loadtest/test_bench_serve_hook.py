@@ -6,13 +6,13 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from kubesgl.bench.serve import _burst_hook
+from kubesgl.bench.serve import burst_hook
 
 
 def test_the_hook_sees_its_phase_and_reports_its_status(tmp_path: Path, capsys) -> None:
     log = tmp_path / "phases"
-    assert asyncio.run(_burst_hook(f'echo "$BURST_PHASE" >> {log}', "start")) == 0
-    assert asyncio.run(_burst_hook(f'echo "$BURST_PHASE" >> {log}; exit 3', "end")) == 3
+    assert asyncio.run(burst_hook(f'echo "$BURST_PHASE" >> {log}', "start")) == 0
+    assert asyncio.run(burst_hook(f'echo "$BURST_PHASE" >> {log}; exit 3', "end")) == 3
     assert log.read_text().split() == ["start", "end"]
     assert "--burst-hook (end) exited 3" in capsys.readouterr().err
-    assert asyncio.run(_burst_hook(None, "start")) == 0
+    assert asyncio.run(burst_hook(None, "start")) == 0

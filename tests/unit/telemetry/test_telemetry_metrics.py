@@ -140,10 +140,18 @@ def test_scheduler_histograms_use_sglang_names_and_buckets_from_1ms() -> None:
 
 
 def test_a_steps_tokens_recorded_together_equal_them_recorded_one_request_at_a_time() -> None:
+    """A step's intervals are mostly one value (the time since the step before), which on_step_tokens counts
+    once: the step below has a few such values, some requests' first tokens (no interval) and some requests
+    with several tokens."""
     rng = random.Random(3)
-    step = [(rng.randint(1, 4), rng.choice([None, rng.uniform(0.001, 0.05)])) for _ in range(64)]
+    since = [rng.uniform(0.001, 0.05) for _ in range(3)]
+    step = [
+        (rng.choice([1, 1, 1, 2, 4]), rng.choice([None, *since, rng.uniform(0.001, 0.05)])) for _ in range(64)
+    ]
+    generated = sum(n for n, _ in step)
+    intervals = [interval / n for n, interval in step if interval is not None for _ in range(n)]
     together, one_by_one = scheduler(), scheduler()
-    together[1].on_step_tokens(step)
+    together[1].on_step_tokens(generated, intervals)
     for n, interval in step:
         one_by_one[1].on_tokens(n, interval)
     names = ("sglang:generation_tokens_total", "sglang:inter_token_latency_seconds")

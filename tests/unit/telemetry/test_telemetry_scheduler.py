@@ -96,6 +96,32 @@ def test_outputs_feed_sglang_request_metrics() -> None:
     assert registry.get_sample_value("sglang:cached_tokens_total", MODEL) == 8
 
 
+def test_inter_token_latency_is_each_requests_interval_spread_over_its_tokens() -> None:
+    """Three requests, timed by a fake clock: each step's intervals are per request, since its previous tokens;
+    one that delivered two tokens counts its interval halved, twice (SGLang's ITL)."""
+    now = [0.0]
+    registry = CollectorRegistry()
+    metrics = SchedulerMetrics(registry, "tiny", page_size=1, num_pages=64)
+    tel = SchedulerTelemetry(metrics, Tracing("kubesgl-scheduler"), "sched-0", "tiny", clock=lambda: now[0])
+    for rid in ("a", "b", "c"):
+        tel.on_arrival(rid, None, prompt_tokens=12)
+    now[0] = 1.0
+    tel.on_outputs([out("a", [1], 1), out("b", [1], 1)])  # first tokens: no interval
+    now[0] = 1.5
+    tel.on_outputs([out("a", [2], 2), out("b", [2, 3], 3), out("c", [1], 1)])  # 0.5; 0.25 twice; c's first
+    now[0] = 2.5
+    tel.on_outputs([out("a", [3], 3), out("c", [2], 2)])  # 1.0 each
+    itl = "sglang:inter_token_latency_seconds"
+    assert registry.get_sample_value(f"{itl}_count", MODEL) == 5
+    assert registry.get_sample_value(f"{itl}_sum", MODEL) == pytest.approx(0.5 + 0.5 + 2.0, rel=1e-12)
+    cumulative = {
+        le: registry.get_sample_value(f"{itl}_bucket", {**MODEL, "le": le})
+        for le in ("0.2", "0.4", "0.6", "1.0")
+    }
+    assert cumulative == {"0.2": 0, "0.4": 2, "0.6": 3, "1.0": 5}
+    assert registry.get_sample_value("sglang:generation_tokens_total", MODEL) == 8
+
+
 def test_abort_before_first_token_ends_the_queue_span_as_error(receiver: OtlpReceiver) -> None:
     tracing = Tracing("kubesgl-scheduler")
     registry, tel = telemetry(tracing)

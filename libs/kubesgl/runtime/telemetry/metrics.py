@@ -30,9 +30,10 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import collections
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from prometheus_client import (
@@ -250,23 +251,22 @@ class SchedulerMetrics:
 
     def on_tokens(self, n: int, interval_s: float | None) -> None:
         """`n` new tokens of one request; `interval_s` since its previous ones (None for the first)."""
-        self.on_step_tokens([(n, interval_s)])
+        self.on_step_tokens(n, [interval_s / n] * n if interval_s is not None and n > 0 else [])
 
-    def on_step_tokens(self, tokens: Iterable[tuple[int, float | None]]) -> None:
-        """One step's new tokens, per request: (how many, the interval since its previous ones or None for its
-        first). The counter and the ITL histogram take the step in one increment each (per bucket used)."""
-        total = 0
-        itl = HistogramTally(self.itl)
-        for n, interval_s in tokens:
-            total += n
-            if interval_s is not None and n > 0:
-                # Like SGLang: the interval spread evenly over the tokens it delivered.
-                itl.add(interval_s / n, n)
-        if total:
-            self.generation_tokens.inc(total)
+    def on_step_tokens(self, generated: int, intervals: list[float]) -> None:
+        """One step's `generated` tokens, and the inter-token interval of each that had one (like SGLang, a
+        request's interval spread evenly over the tokens it delivered). The counter takes the step in one
+        increment, the ITL histogram in one per bucket used: a step's intervals are mostly one value, the time
+        since the step before, so they are counted by value first."""
+        if generated:
+            self.generation_tokens.inc(generated)
             with self._lock:
-                self._totals.generated += total
-        itl.flush()
+                self._totals.generated += generated
+        if intervals:
+            itl = HistogramTally(self.itl)
+            for value, n in collections.Counter(intervals).items():
+                itl.add(value, n)
+            itl.flush()
 
     def on_finished(self, e2e_s: float, finish_reason: str | None) -> None:
         """A request ended: normally, by a limit, or aborted."""

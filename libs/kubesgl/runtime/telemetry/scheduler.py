@@ -115,21 +115,31 @@ class SchedulerTelemetry:
         and on_step_start is not called here."""
         now_s, now_ns = self._clock(), time.time_ns()
         parents: dict[str, str | None] = {}
-        tokens: list[tuple[int, float | None]] = []  # the step's, per request: recorded together
+        generated = 0
+        intervals: list[float] = []  # one per token of a decoding request, the step's for SchedulerMetrics
+        requests = self._requests
         with self._lock:
             if step_start_ns is not None:
                 self._step_start_ns = step_start_ns
             for out in outputs:
-                t = self._requests.get(out.rid)
+                rid = out.rid
+                t = requests.get(rid)
                 if t is None:
                     continue
-                if out.new_token_ids:
-                    tokens.append(self._on_tokens(out, t, now_s, now_ns))
-                parents[out.rid] = t.current_traceparent
+                if n := len(out.new_token_ids):
+                    generated += n
+                    if not t.decoding:
+                        self._first_tokens(out, t, now_s, now_ns)
+                    elif n == 1:
+                        intervals.append(now_s - t.last_token_s)
+                    else:  # like SGLang: the interval spread evenly over the tokens it delivered
+                        intervals += [(now_s - t.last_token_s) / n] * n
+                    t.last_token_s = now_s
+                parents[rid] = t.current_traceparent
                 if out.finished:
-                    del self._requests[out.rid]
+                    del requests[rid]
                     self._finish(t, out.finish_reason, out.completion_tokens, now_s, now_ns)
-        self.metrics.on_step_tokens(tokens)
+        self.metrics.on_step_tokens(generated, intervals)
         return parents
 
     def on_abort(self, rid: str) -> None:
@@ -235,35 +245,25 @@ class SchedulerTelemetry:
         if self._stats_log is not None:
             self._stats_log.observe(stats)
 
-    def _on_tokens(
-        self, out: RequestOutput, t: _Timeline, now_s: float, now_ns: int
-    ) -> tuple[int, float | None]:
-        """Times the request's new tokens; returns their count and interval for SchedulerMetrics.on_step_tokens."""
-        n = len(out.new_token_ids)
-        interval_s: float | None = None
-        if t.decoding:
-            interval_s = now_s - t.last_token_s
+    def _first_tokens(self, out: RequestOutput, t: _Timeline, now_s: float, now_ns: int) -> None:
+        """The request's first tokens: its time to first token, and its span turns from queue (with prefill)
+        to decode."""
+        self.metrics.on_first_token(now_s - t.arrival_s, out.prompt_tokens, out.cached_tokens)
+        if t.asked_ns is not None:  # prefilled by another instance, whose span it is
+            t.current.end(end_time=t.asked_ns)
         else:
-            self.metrics.on_first_token(now_s - t.arrival_s, out.prompt_tokens, out.cached_tokens)
-            if t.asked_ns is not None:  # prefilled by another instance, whose span it is
-                t.current.end(end_time=t.asked_ns)
-            else:
-                prefill_start_ns = max(t.arrival_ns, self._step_start_ns)
-                t.current.end(end_time=prefill_start_ns)
-                attrs = {
-                    **self._attrs,
-                    ATTR_PROMPT_TOKENS: out.prompt_tokens,
-                    ATTR_CACHED_TOKENS: out.cached_tokens,
-                }
-                prefill = self._tracing.start_span(
-                    SPAN_PREFILL, t.parent, attrs, start_time_ns=prefill_start_ns
-                )
-                prefill.end(end_time=now_ns)
-            t.current = self._tracing.start_span(SPAN_DECODE, t.parent, self._attrs, start_time_ns=now_ns)
-            t.current_traceparent = traceparent(t.current)
-            t.decoding = True
-        t.last_token_s = now_s
-        return n, interval_s
+            prefill_start_ns = max(t.arrival_ns, self._step_start_ns)
+            t.current.end(end_time=prefill_start_ns)
+            attrs = {
+                **self._attrs,
+                ATTR_PROMPT_TOKENS: out.prompt_tokens,
+                ATTR_CACHED_TOKENS: out.cached_tokens,
+            }
+            prefill = self._tracing.start_span(SPAN_PREFILL, t.parent, attrs, start_time_ns=prefill_start_ns)
+            prefill.end(end_time=now_ns)
+        t.current = self._tracing.start_span(SPAN_DECODE, t.parent, self._attrs, start_time_ns=now_ns)
+        t.current_traceparent = traceparent(t.current)
+        t.decoding = True
 
     def _finish(
         self,
