@@ -136,6 +136,29 @@ def test_unknown_fields_are_ignored_for_forward_compatibility() -> None:
     assert p.Admitted.from_bytes(msgpack.packb(body)) == p.Admitted(rid="r", instance_id="i", prompt_tokens=1)
 
 
+def test_a_delta_leaves_its_default_fields_off_the_wire_and_a_full_map_still_decodes() -> None:
+    """The per-step messages omit fields at their defaults (fewer bytes and keys to match per token); a map
+    that spells every field out, as a sender before that did, decodes to the same message."""
+    delta = p.TokenDelta(rid="r", gateway_id="gw", instance_id="i", seq=3, tokens=[5, 6], new_from=1)
+    body = msgpack.unpackb(delta.to_bytes())
+    assert body == {"msg": "TokenDelta", "rid": "r", "gateway_id": "gw", "instance_id": "i", "seq": 3,
+                    "tokens": [5, 6], "new_from": 1}  # fmt: skip
+    full = {**body, "finished": False, "finish_reason": None, "prompt_tokens": 0, "cached_tokens": 0,
+            "completion_tokens": 0, "logprobs": None, "error": None, "traceparent": None, "prompt_logprobs": None}  # fmt: skip
+    assert p.TokenDelta.from_bytes(msgpack.packb(full)) == delta
+    text = p.TextDelta(rid="r", instance_id="i", seq=3, text="hi")
+    assert msgpack.unpackb(text.to_bytes()) == {
+        "msg": "TextDelta",
+        "rid": "r",
+        "instance_id": "i",
+        "seq": 3,
+        "text": "hi",
+    }
+    assert p.gateway_deltas(
+        msgpack.packb({**msgpack.unpackb(text.to_bytes()), "token_ids": [], "finished": False})
+    ) == [text]
+
+
 def test_decode_picks_the_reply_type() -> None:
     err = p.ErrorReply.from_error("r", ServiceUnavailableError("no scheduler"))
     assert p.decode(err.to_bytes(), p.Admitted, p.ErrorReply) == err
