@@ -16,7 +16,7 @@ from kubesgl.text.incremental import delta_window
 from kubesgl.values.outputs import FinishReason, RequestOutput, TokenLogprob
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestStream:
     rid: str
     gateway_id: str

@@ -43,6 +43,7 @@ class TokenDelta(StructMessage):
 # entry a bin header; both bounded generously so a batch never exceeds the byte budget it was cut to.
 _BATCH_FRAME_BYTES = 64
 _ENTRY_FRAME_BYTES = 5
+_ENCODE = msgspec.msgpack.Encoder().encode  # StructMessage.to_bytes without its method call, per entry
 
 
 class TokenDeltaBatch(StructMessage):
@@ -58,12 +59,16 @@ class TokenDeltaBatch(StructMessage):
     def pack(cls, deltas: list[TokenDelta], max_bytes: int) -> list[tuple[list[TokenDelta], bytes]]:
         """Encodes `deltas` into as few batches of at most `max_bytes` as they fit in, in order; a delta too
         big for any batch goes alone. Returns each batch's body with the deltas it carries."""
+        encoded = [_ENCODE(delta) for delta in deltas]
+        if not encoded:
+            return []
+        if _BATCH_FRAME_BYTES + sum(map(len, encoded)) + _ENTRY_FRAME_BYTES * len(encoded) <= max_bytes:
+            return [(deltas, cls(encoded).to_bytes())]  # all in one: the usual case
         out: list[tuple[list[TokenDelta], bytes]] = []
         group: list[TokenDelta] = []
         entries: list[bytes] = []
         size = _BATCH_FRAME_BYTES
-        for delta in deltas:
-            entry = delta.to_bytes()
+        for delta, entry in zip(deltas, encoded, strict=True):
             if entries and size + len(entry) + _ENTRY_FRAME_BYTES > max_bytes:
                 out.append((group, cls(entries).to_bytes()))
                 group, entries, size = [], [], _BATCH_FRAME_BYTES

@@ -9,7 +9,7 @@ those bytes, emits the finished character. A decode of at most one held-back cha
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 # Tokens of already-sent context each TokenDelta carries: enough to re-cover a held-back UTF-8 character.
 DETOK_CONTEXT_TOKENS = 8
@@ -17,11 +17,11 @@ _REPLACEMENT = "\ufffd"
 
 
 def delta_window(
-    output_ids: Sequence[int], sent: int, context: int = DETOK_CONTEXT_TOKENS
+    output_ids: list[int], sent: int, context: int = DETOK_CONTEXT_TOKENS
 ) -> tuple[list[int], int]:
     """The tokens a delta carries when `sent` of `output_ids` went out before, and where the new ones start."""
     start = max(0, sent - context)
-    return list(output_ids[start:]), sent - start
+    return output_ids[start:], sent - start
 
 
 def delta_text(decode: Callable[[list[int]], str], tokens: list[int], new_from: int, finished: bool) -> str:
