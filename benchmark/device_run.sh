@@ -150,6 +150,7 @@ case "$mode" in
     python3 benchmark/service_cpu.py summary "$OUT/serve_cpu.jsonl" "$OUT/serve.jsonl" | tee "$OUT/serve_cpu.txt"
     python3 benchmark/service_cpu.py summary "$OUT/serve_cpu_whole.jsonl" "$OUT/serve.jsonl" > "$OUT/serve_cpu_whole.txt"
     [ -f "$OUT/burst_engine.pyspy" ] && python3 benchmark/pyspy_top.py "$OUT/burst_engine.pyspy" 30 > "$OUT/burst_engine.top.txt"
+    for _ in $(seq 30); do pgrep -f "[p]y-spy record --gil" > /dev/null || break; sleep 1; done  # the `s` run's spies end
     for f in "$OUT"/burst_*_[0-9]*.pyspy; do
       [ -f "$f" ] && python3 benchmark/pyspy_top.py "$f" 60 > "${f%.pyspy}.top.txt"
     done

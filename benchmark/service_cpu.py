@@ -8,7 +8,8 @@ full core.
 
 `spy`, run as `kubesgl bench serve --burst-hook` with BURST_PHASE=start, starts py-spy (GIL samples, not pausing
 the process) on each named service (`scheduler:8100`, `gateway:8000`, ...) for SPY_SECONDS (default 6) and
-returns at once; each writes OUT_DIR/burst_<name>.pyspy. At BURST_PHASE=end it does nothing.
+returns at once; each writes OUT_DIR/burst_<name>.pyspy and its own output to burst_<name>.log. At BURST_PHASE=end
+it does nothing.
 
 `summary` pairs the snapshots in order (before, after, before, after, ...) with serve.jsonl's lines (one per
 `kubesgl bench serve` run, in the same order) and divides each process's CPU by the run's output tokens; a
@@ -52,13 +53,13 @@ def _name(pid: int) -> str:
     return os.path.basename(argv[0]) or str(pid)
 
 
-def _tree(root: int, cpu: dict[int, float] | None = None) -> dict[int, str]:
-    """Every process under `root` (itself included), named; `cpu` is filled with each one's CPU seconds."""
+def _tree(root: int) -> dict[int, tuple[str, float]]:
+    """Every process under `root` (itself included): its name and its CPU seconds so far."""
     parents: dict[int, int] = {}
-    seconds: dict[int, float] = {}
+    cpu: dict[int, float] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit() and (st := _stat(int(entry))) is not None:
-            parents[int(entry)], seconds[int(entry)] = st
+            parents[int(entry)], cpu[int(entry)] = st
     under = {root}
     for _ in range(8):  # `timeout` -> launcher -> services (a scheduler's TP ranks one level deeper)
         under |= {pid for pid, parent in parents.items() if parent in under}
@@ -67,15 +68,15 @@ def _tree(root: int, cpu: dict[int, float] | None = None) -> dict[int, str]:
     for p in sorted(names):
         if names[p] in ("python", "python3") and parents[p] in names:
             names[p] = f"{names[parents[p]]} child {p}"
-    if cpu is not None:
-        cpu.update({p: seconds[p] for p in names})
-    return names
+    return {p: (names[p], cpu[p]) for p in sorted(names)}
 
 
 def snapshot(root: int, label: str) -> dict[str, object]:
-    cpu: dict[int, float] = {}
-    names = _tree(root, cpu)
-    return {"label": label, "t": time.time(), "cpu_s": {names[p]: round(cpu[p], 3) for p in sorted(names)}}
+    return {
+        "label": label,
+        "t": time.time(),
+        "cpu_s": {name: round(s, 3) for name, s in _tree(root).values()},
+    }
 
 
 def summary(cpu_path: str, serve_path: str) -> None:
@@ -93,18 +94,17 @@ def summary(cpu_path: str, serve_path: str) -> None:
 def spy(root: int, out_dir: str, names: list[str]) -> None:
     if os.environ.get("BURST_PHASE") != "start":
         return
-    procs = {name: pid for pid, name in _tree(root).items() if name in names}
+    procs = {name: pid for pid, (name, _) in _tree(root).items() if name in names}
     for name in names:
         if name not in procs:
             print(f"service_cpu spy: no {name} under {root}", file=sys.stderr)
             continue
-        out = Path(out_dir) / f"burst_{name.replace(':', '_')}.pyspy"
-        cmd = ["py-spy", "record", "--gil", "--nonblocking", "-r", "250", "-f", "raw", "-o", str(out)]
+        out = Path(out_dir) / f"burst_{name.replace(':', '_')}"
+        cmd = ["py-spy", "record", "--gil", "--nonblocking", "-r", "250", "-f", "raw", "-o", f"{out}.pyspy"]
         cmd += ["-d", os.environ.get("SPY_SECONDS", "6"), "-p", str(procs[name])]
-        try:
-            subprocess.Popen(
-                cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-            )
+        try:  # its own log beside its samples: a py-spy that cannot attach says why there
+            with open(f"{out}.log", "w") as log:
+                subprocess.Popen(cmd, stdout=log, stderr=log, start_new_session=True)
         except FileNotFoundError:  # the burst runs on: its CPU snapshots are the hook's other half
             print(
                 "service_cpu spy: no py-spy on PATH (carry its wheel in .whl: device_wheels.sh)",

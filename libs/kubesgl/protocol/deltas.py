@@ -43,7 +43,6 @@ class TokenDelta(StructMessage):
 # entry a bin header; both bounded generously so a batch never exceeds the byte budget it was cut to.
 _BATCH_FRAME_BYTES = 64
 _ENTRY_FRAME_BYTES = 5
-_ENCODE = msgspec.msgpack.Encoder().encode  # StructMessage.to_bytes without its method call, per entry
 
 
 class TokenDeltaBatch(StructMessage):
@@ -59,7 +58,7 @@ class TokenDeltaBatch(StructMessage):
     def pack(cls, deltas: list[TokenDelta], max_bytes: int) -> list[tuple[list[TokenDelta], bytes]]:
         """Encodes `deltas` into as few batches of at most `max_bytes` as they fit in, in order; a delta too
         big for any batch goes alone. Returns each batch's body with the deltas it carries."""
-        encoded = [_ENCODE(delta) for delta in deltas]
+        encoded = [delta.to_bytes() for delta in deltas]
         if not encoded:
             return []
         if _BATCH_FRAME_BYTES + sum(map(len, encoded)) + _ENTRY_FRAME_BYTES * len(encoded) <= max_bytes:
