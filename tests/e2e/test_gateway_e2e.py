@@ -530,6 +530,7 @@ def test_bench_serve_drives_the_gateway_and_reports_latencies(url, demo_model_di
     assert (phase0, phase1) == ("start", "end") and float(t1) - float(t0) >= res["seconds"]
     assert res["failed"] == 0 and res["output_tokens"] == res["requested_output_tokens"]
     assert 0 < res["ttft_p50_s"] <= res["ttft_p99_s"] and res["itl_p50_s"] > 0 and res["output_tok_s"] > 0
+    assert res["tokens_per_event"] >= 1  # every event with text carries at least one token
     assert res["connect_first"] and 0 <= res["client_send_p50_s"] <= res["client_send_max_s"]
     assert "arrivals" not in res and res["offline_output_tok_s"] > 0
     assert 0 < res["offline_arrival_ttft_p50_s"] <= res["offline_arrival_ttft_p99_s"]

@@ -230,6 +230,7 @@ async def _serve(
     ok = [t for t in timings if t.error is None]
     out_tokens = sum(t.completion_tokens for t in ok)
     gaps = [g for t in ok for g in t.gaps]
+    text_events = len(gaps) + sum(t.first is not None for t in ok)
     tpots = [
         (t.last - t.first) / (t.completion_tokens - 1)
         for t in ok
@@ -269,6 +270,9 @@ async def _serve(
         "itl_p50_s": percentile(gaps, 50),
         "itl_p99_s": percentile(gaps, 99),
         "tpot_p50_s": percentile(tpots, 50),
+        # Output tokens per SSE event with text: above 1 where the gateway coalesced a stream's queued deltas
+        # (fewer writes, so less of its CPU per token), 1 when every token went out on its own.
+        "tokens_per_event": round(out_tokens / text_events, 3) if text_events else None,
         "single_ttft_s": round(statistics.median(t.ttft or float("nan") for t in singles), 4),
     }
     if hook_failed:
@@ -472,6 +476,7 @@ def _print(res: dict[str, Any]) -> None:
         rows += [
             ("ITL p50 / p99 (s)", f"{res['itl_p50_s']} / {res['itl_p99_s']}"),
             ("TPOT p50 (s)", res["tpot_p50_s"]),
+            ("output tokens per SSE event with text", res.get("tokens_per_event")),
             ("single-request TTFT (s)", res["single_ttft_s"]),
         ]
     if "offline_output_tok_s" in res:
