@@ -43,22 +43,31 @@ class Encoder(Protocol):
 
 @dataclass
 class _Progress:
-    """What a stream has sent so far for each choice; enough for the usage chunk and text offsets."""
+    """What a stream has sent so far for each choice: its token counts (the usage chunk) and its text's length
+    (completions' text_offset). With `whole`, its text, token ids and logprobs so far too, which the native
+    endpoint's chunks carry whole; the OpenAI chunks carry only what is new, and keeping the rest copied the text
+    so far at every event (quadratic in a stream's length)."""
 
+    whole: bool = False
     results: dict[int, ChoiceResult] = field(default_factory=dict)
+    chars: dict[int, int] = field(default_factory=dict)  # text length so far, by choice index
 
     def add(self, event: ChoiceEvent) -> ChoiceResult:
-        r = self.results.setdefault(event.index, ChoiceResult(event.index, "", None))
-        r.text += event.text
-        r.token_ids.extend(event.token_ids)
+        r = self.results.get(event.index)
+        if r is None:  # not setdefault: that built a ChoiceResult per event to throw away
+            r = self.results[event.index] = ChoiceResult(event.index, "", None)
+        if self.whole:
+            r.text += event.text
+            r.token_ids.extend(event.token_ids)
+            if event.logprobs is not None:
+                r.logprobs = [*(r.logprobs or []), *event.logprobs]
+            if event.prompt_logprobs is not None:
+                r.prompt_logprobs = event.prompt_logprobs
+        self.chars[event.index] = self.chars.get(event.index, 0) + len(event.text)
         r.prompt_tokens = max(r.prompt_tokens, event.prompt_tokens)
         r.cached_tokens = max(r.cached_tokens, event.cached_tokens)
         r.completion_tokens = max(r.completion_tokens, event.completion_tokens)
         r.finish_reason, r.matched_stop = event.finish_reason, event.matched_stop
-        if event.logprobs is not None:
-            r.logprobs = [*(r.logprobs or []), *event.logprobs]
-        if event.prompt_logprobs is not None:
-            r.prompt_logprobs = event.prompt_logprobs
         return r
 
     def ordered(self) -> list[ChoiceResult]:
@@ -194,7 +203,7 @@ class CompletionEncoder:
         return _sse_all(self.chunks(event))
 
     def chunks(self, event: ChoiceEvent) -> list[dict[str, Any]]:
-        offset = len(self._progress.results[event.index].text) if event.index in self._progress.results else 0
+        offset = self._progress.chars.get(event.index, 0)
         self._progress.add(event)
         if not (event.text or event.logprobs or event.finish_reason):
             return []
@@ -219,7 +228,7 @@ class NativeEncoder:
 
     def __init__(self, rid: str) -> None:
         self.rid = rid
-        self._progress = _Progress()
+        self._progress = _Progress(whole=True)
 
     def prelude(self) -> list[dict[str, Any]]:
         return []

@@ -675,6 +675,9 @@ class GatewayRequestMetrics:
         self._ttft, self._itl, self._tokens = series.ttft, series.itl, series.tokens
         self.tokens = 0  # completion tokens sent so far
         self.ttft_s: float | None = None
+        self._turn: _TurnTokens | None = (
+            None  # the loop's, looked up at the first tokens (a request runs in one loop)
+        )
         series.in_flight.inc()
 
     def on_tokens(self, n: int) -> None:
@@ -685,7 +688,13 @@ class GatewayRequestMetrics:
             return
         now = time.perf_counter()
         self.tokens += n
-        turn = _turns.running() or _TurnTokens(deferred=False)
+        turn = self._turn
+        if turn is None:
+            turn = self._turn = (
+                _turns.running()
+            )  # None outside an event loop: a turn of its own, flushed below
+            if turn is None:
+                turn = _TurnTokens(deferred=False)
         turn.count(self._tokens, n)
         if self._last_token is None:
             self.ttft_s = now - self._start
