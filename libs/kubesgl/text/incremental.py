@@ -53,6 +53,38 @@ def delta_text_of_bytes(table: list[bytes], tokens: list[int], new_from: int, fi
     return full[len(_hold_back_incomplete(before.decode("utf-8", "replace"))) :]
 
 
+def clean_texts(table: list[bytes]) -> list[str | None]:
+    """Per token id (`table[id]`: its bytes), its text where those bytes are whole UTF-8 on their own and their
+    text does not end in U+FFFD; None for any other. Such a token starts a character and ends one, so a lossy
+    decode reads it the same whatever comes before or after it, and leaves nothing held back."""
+    out: list[str | None] = []
+    for raw in table:
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            out.append(None)
+            continue
+        out.append(text if text and not text.endswith(_REPLACEMENT) else None)
+    return out
+
+
+def one_clean_token(clean: list[str | None], tokens: list[int], new_from: int) -> str | None:
+    """delta_text() of a window whose one new token and the token before it (if any) are clean (clean_texts):
+    the new token's own text, the two decodes' answer without them; None for any other window. After a clean
+    token a lossy decoder has no character open, so the window's text is its context's and then the new
+    token's, neither held back."""
+    if len(tokens) != new_from + 1:
+        return None
+    new = tokens[new_from]
+    if not 0 <= new < len(clean):
+        return None
+    if new_from:
+        before = tokens[new_from - 1]
+        if not 0 <= before < len(clean) or clean[before] is None:
+            return None
+    return clean[new]
+
+
 def _hold_back_incomplete(text: str) -> str:
     # A lossy UTF-8 decode ends an unfinished multi-byte character with exactly one U+FFFD.
     return text[:-1] if text.endswith(_REPLACEMENT) else text

@@ -7,7 +7,7 @@ from functools import cached_property
 from typing import Any
 
 from kubesgl.errors import InvalidRequestError
-from kubesgl.text.incremental import delta_text, delta_text_of_bytes
+from kubesgl.text.incremental import clean_texts, delta_text, delta_text_of_bytes, one_clean_token
 
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
@@ -82,14 +82,17 @@ class ModelTokenizer:
         table where the decoder is byte-level alone, else from two decodes."""
         table = self._decode_bytes
         if table is not None:
-            text = delta_text_of_bytes(table, tokens, new_from, finished)
+            # One new token after a clean one (most deltas): its text from a table, no decode at all.
+            text = one_clean_token(self._clean_texts, tokens, new_from)
+            if text is None:
+                text = delta_text_of_bytes(table, tokens, new_from, finished)
             if text is not None:
                 return text
         return delta_text(self.decode, tokens, new_from, finished)
 
     def prepare_delta_text(self) -> None:
         """Builds what delta_text() uses now, not on its first call."""
-        _ = self._decode_bytes
+        _ = self._decode_bytes, self._clean_texts
 
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes one token stands for (byte-level BPE and byte-fallback tokens may be partial UTF-8)."""
@@ -137,6 +140,11 @@ class ModelTokenizer:
                 raw = _byte_level_bytes(token)
                 table.append(token.encode() if raw is None else raw)
         return table
+
+    @cached_property
+    def _clean_texts(self) -> list[str | None]:
+        """Per token id, its text where one_clean_token may take it alone (only with the byte table)."""
+        return clean_texts(self._decode_bytes or [])
 
     @cached_property
     def _byte_level(self) -> bool:

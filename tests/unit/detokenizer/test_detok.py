@@ -17,7 +17,7 @@ from kubesgl.runtime.telemetry.tracing import Tracing
 from kubesgl.services.detokenizer.service import DetokenizerService
 from kubesgl.services.gateway.request_stream import RequestStream as GatewayStream
 from kubesgl.services.scheduler.streams import RequestStream
-from kubesgl.text.incremental import delta_text, delta_text_of_bytes, delta_window
+from kubesgl.text.incremental import delta_text, delta_text_of_bytes, delta_window, one_clean_token
 from kubesgl.text.tokenizer import ModelTokenizer
 from kubesgl.values.outputs import RequestOutput
 from nats.aio.client import Client
@@ -157,6 +157,42 @@ def test_the_byte_table_agrees_with_two_decodes_on_random_windows(replicas: list
         ]
         new_from, finished = rng.randint(0, len(ids)), rng.random() < 0.5
         assert tok.delta_text(ids, new_from, finished) == delta_text(tok.decode, ids, new_from, finished), ids
+
+
+def test_one_new_token_after_a_clean_one_takes_its_text_alone(replicas: list[ModelTokenizer]) -> None:
+    # Windows of one new token, the kind most deltas are, over every kind of token: whole characters, the 256
+    # single-byte ones (stray and partial UTF-8), specials, the token whose text is U+FFFD itself, ids past
+    # the vocabulary. Where one_clean_token answers it must be what the windows' two decodes give; where it
+    # does not, the byte table's path answers. Both decide the text of most deltas here, so a wrong rule fails.
+    tok = replicas[0]
+    table, clean = tok._decode_bytes, tok._clean_texts
+    assert table is not None and len(clean) == len(table)
+    single_bytes = [i for i in range(tok.vocab_size) if len(table[i]) == 1]
+    replacement = [i for i in range(tok.vocab_size) if table[i].endswith("\ufffd".encode())]
+    assert len(single_bytes) == 256 and replacement and all(clean[i] is None for i in replacement)
+    pools = [
+        single_bytes,
+        replacement,
+        list(range(151643, tok.vocab_size)),
+        [tok.vocab_size, tok.vocab_size + 3],
+    ]
+    rng = random.Random(6)
+    taken = 0
+    for _ in range(6000):
+        ids = [
+            rng.choice(rng.choice(pools)) if rng.random() < 0.4 else rng.randrange(tok.vocab_size)
+            for _ in range(rng.randint(1, 9))
+        ]
+        new_from, finished = len(ids) - 1, rng.random() < 0.5
+        fast = one_clean_token(clean, ids, new_from)
+        expected = delta_text(tok.decode, ids, new_from, finished)
+        if fast is not None:
+            taken += 1
+            assert fast == expected, ids
+        assert tok.delta_text(ids, new_from, finished) == expected, ids
+    assert 1500 < taken < 5000  # both paths ran
+    assert one_clean_token(clean, [5, 6, 7], 1) is None  # two new tokens: the table's path
+    assert one_clean_token(clean, [-1], 0) is None and one_clean_token(clean, [-1, 5], 1) is None
 
 
 def test_a_decoder_other_than_byte_level_gets_no_table() -> None:
