@@ -113,6 +113,24 @@ def assert_topk_matches(got_ids: list[int], ref_logprobs: torch.Tensor, tol: flo
         )
 
 
+# Where the bound above is vacuous: two bfloat16 runs of one checkpoint whose kernels differ (another batch
+# shape, another attention backend) round every stage's output to bf16's 8 significant bits, so their logits
+# differ by a few units in the last place of the logits' own size; the summation-order bound above, with a
+# Cauchy-Schwarz scale, puts that difference above the logits themselves. A top-2 gap within BF16_TIE_ULPS of
+# bf16's spacing at the step's largest logit is a tie either run may break its own way.
+BF16_TIE_ULPS = 4
+
+
+def bf16_ulp(x: float) -> float:
+    """The spacing of bfloat16 numbers at magnitude |x| (8 significant bits)."""
+    return 2.0 ** (math.floor(math.log2(abs(x))) - 7) if x else 2.0**-133
+
+
+def bf16_tie(top_logit: float) -> float:
+    """The top-2 gap under which two bf16 evaluations of a step may pick different greedy tokens."""
+    return BF16_TIE_ULPS * bf16_ulp(top_logit)
+
+
 def elementwise_bound(dtype: torch.dtype, roundings: int) -> float:
     """Norm-wise relative error of an elementwise formula of `roundings` sequential roundings (each operation,
     and each libm transcendental at <= 1 ulp, rounds once) whose terms do not cancel."""
