@@ -29,6 +29,10 @@ pd_site() {  # NIXL (.pd/, carried) into its own site, once per machine: the pd 
   [ -d /tmp/site-pd ] || ! ls .pd/*.whl >/dev/null 2>&1 \
     || python3 -m pip install -q --no-index --no-deps --no-cache-dir --target /tmp/site-pd .pd/*.whl
 }
+pack_out() {  # every loose result file in $OUT into $OUT/$1 (the compile caches and earlier packs left beside it)
+  (cd "$OUT" && find . -type f ! -name 'cache-*.tgz' ! -name 'results*.tgz' -print0 | tar czf "/tmp/$1" --null -T - \
+    && find . -type f ! -name 'cache-*.tgz' ! -name 'results*.tgz' -delete && mv "/tmp/$1" "$1")
+}
 for mode in "${@:-final}"; do
 case "$mode" in
   quick) $B --model Qwen3-0.6B --num-seqs 32 ;;
@@ -289,9 +293,7 @@ case "$mode" in
   pack)  # last: every result file in one results.tgz (a call brings back only a few files from $OUT; call 1 of
         # 2026-12-06's third session lost its per-service CPU table to that), the compile caches left beside it
         # PACK=name packs into results_name.tgz instead, so a call can pack twice (each part kept if the next is cut)
-    r=results${PACK:+_$PACK}.tgz
-    (cd "$OUT" && find . -type f ! -name 'cache-*.tgz' ! -name 'results*.tgz' -print0 | tar czf /tmp/$r --null -T - \
-      && find . -type f ! -name 'cache-*.tgz' ! -name 'results*.tgz' -delete && mv /tmp/$r $r && ls -la)
+    pack_out "results${PACK:+_$PACK}.tgz" && (cd "$OUT" && ls -la)
     ;;
   cache-save)  # the compile caches, for the next call's .gpu/ (each file must stay under 16 MB to come back)
     [ -d "$HOME/.cache/flashinfer" ] && tar czf "$OUT/cache-flashinfer.tgz" -C "$HOME" .cache/flashinfer
@@ -330,3 +332,9 @@ case "$mode" in
     ;;
 esac
 done
+# A call brings back at most 8 files from $OUT (2026-12-07, call 9: serve.jsonl and Mini-SGLang's files stayed
+# behind): past 8, whatever this run left loose goes into one more results_<time>.tgz, so a command of several
+# device_run.sh runs loses nothing however it ends.
+if [ "$(find "$OUT" -type f | wc -l)" -gt 8 ]; then
+  pack_out "results_$(date +%H%M%S).tgz" && echo "device_run.sh: \$OUT held more than 8 files: packed"
+fi
