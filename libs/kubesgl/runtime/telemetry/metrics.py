@@ -675,9 +675,8 @@ class GatewayRequestMetrics:
         self._ttft, self._itl, self._tokens = series.ttft, series.itl, series.tokens
         self.tokens = 0  # completion tokens sent so far
         self.ttft_s: float | None = None
-        self._turn: _TurnTokens | None = (
-            None  # the loop's, looked up at the first tokens (a request runs in one loop)
-        )
+        # The loop's _TurnTokens, looked up at the first tokens (a request runs in one loop).
+        self._turn: _TurnTokens | None = None
         series.in_flight.inc()
 
     def on_tokens(self, n: int) -> None:
@@ -690,9 +689,8 @@ class GatewayRequestMetrics:
         self.tokens += n
         turn = self._turn
         if turn is None:
-            turn = self._turn = (
-                _turns.running()
-            )  # None outside an event loop: a turn of its own, flushed below
+            # Outside an event loop there is none: each call gets a turn of its own, flushed below.
+            turn = self._turn = _turns.running()
             if turn is None:
                 turn = _TurnTokens(deferred=False)
         turn.count(self._tokens, n)
