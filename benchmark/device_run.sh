@@ -335,6 +335,7 @@ done
 # A call brings back at most 8 files from $OUT (2026-12-07, call 9: serve.jsonl and Mini-SGLang's files stayed
 # behind): past 8, whatever this run left loose goes into one more results_<time>.tgz, so a command of several
 # device_run.sh runs loses nothing however it ends.
-if [ "$(find "$OUT" -type f | wc -l)" -gt 8 ]; then
+loose=$(find "$OUT" -type f ! -name 'cache-*.tgz' ! -name 'results*.tgz' | wc -l)
+if [ "$loose" -gt 0 ] && [ "$(find "$OUT" -type f | wc -l)" -gt 8 ]; then  # nothing loose: no empty pack
   pack_out "results_$(date +%H%M%S).tgz" && echo "device_run.sh: \$OUT held more than 8 files: packed"
 fi

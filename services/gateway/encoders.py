@@ -71,6 +71,7 @@ class _Progress:
         return r
 
     def ordered(self) -> list[ChoiceResult]:
+        """Each choice's results by index: its counts always, its text, ids and logprobs only with `whole`."""
         return [self.results[i] for i in sorted(self.results)]
 
 
