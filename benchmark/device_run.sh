@@ -325,6 +325,30 @@ case "$mode" in
     python3 benchmark/kernel_bench.py --summary "$OUT/kb_levers.jsonl" | tee "$OUT/kb_levers.txt"
     python3 benchmark/kernel_levers.py "$OUT" | tee "$OUT/levers25.txt"
     ;;
+  skinny25)  # issue 25: the mid-batch GEMM (kernels/gemm_triton.py, 5-256 rows): its GPU tests, the config sweep
+             # against cuBLAS (-> $OUT/skinny_table.json, the table the engine reads with KUBESGL_SKINNY_CONFIGS),
+             # then the offline benchmark with it off and on (step profiles), off/on again if SKINNY_REPEAT=1
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/kernels/test_skinny_gemm.py 2>&1 \
+      | tail -4 | tee "$OUT/gpu_tests_skinny.txt"
+    timeout "${SWEEP_TIMEOUT:-260}" python3 benchmark/skinny_sweep.py --json "$OUT/skinny.jsonl" \
+      --table "$OUT/skinny_table.json" 2>&1 | grep -v Warn | tail -36 | tee "$OUT/skinny.txt"
+    cases="0 1"; [ "${SKINNY_REPEAT:-0}" = 1 ] && cases="0 1 0 1"
+    i=0
+    for on in $cases; do
+      i=$((i + 1))
+      env KUBESGL_STEP_PROFILE=1 KUBESGL_SKINNY_GEMM=$on KUBESGL_SKINNY_CONFIGS="$OUT/skinny_table.json" timeout 80 \
+        $B --model Qwen3-0.6B 2>&1 | tail -14 > "$OUT/p_skinny${on}_$i.txt"
+      echo "skinny $on: $(grep -o '"output_tok_s": [0-9.]*' "$OUT/p_skinny${on}_$i.txt")"
+    done
+    ;;
+  skinnytrace)  # the decode step's kernel trace at bs 16/64/256 with the mid-batch GEMM off and on (table: skinny25's)
+    for on in 0 1; do
+      KUBESGL_SKINNY_GEMM=$on KUBESGL_SKINNY_CONFIGS="${SKINNY_TABLE:-$OUT/skinny_table.json}" timeout 100 python3 \
+        benchmark/kernel_trace.py --model Qwen3-0.6B --batch-sizes 16,64,256 --context 800 --top 14 \
+        --json "$OUT/trace_skinny$on.jsonl" 2>&1 | grep -v Warn > "$OUT/trace_skinny$on.txt"
+      grep "^== bs" "$OUT/trace_skinny$on.txt" | sed "s/^/skinny $on: /"
+    done
+    ;;
   b)
     $B --model Qwen3-14B
     $B --model Qwen3-0.6B --attn triton

@@ -61,6 +61,18 @@ def gemv_norm() -> bool:
     return os.environ.get("KUBESGL_GEMV_NORM") not in _FALSE
 
 
+def skinny_gemm() -> bool:
+    """Projections of 5-256 rows run as the mid-batch Triton GEMM on Hopper where its measured table has their
+    shape (kernels/gemv.py) unless KUBESGL_SKINNY_GEMM = 0/false (cuBLAS then, for ablations)."""
+    return os.environ.get("KUBESGL_SKINNY_GEMM") not in _FALSE
+
+
+def skinny_configs() -> str | None:
+    """KUBESGL_SKINNY_CONFIGS=path: the mid-batch GEMM's table from a sweep's JSON (benchmark/kernel_bench.py
+    --part skinny) instead of the built-in one."""
+    return os.environ.get("KUBESGL_SKINNY_CONFIGS") or None
+
+
 def cache_dir() -> Path:
     """Where the demo model is built: $KUBESGL_CACHE, else ~/.cache/kubesgl."""
     return Path(os.environ.get("KUBESGL_CACHE") or Path.home() / ".cache" / "kubesgl")

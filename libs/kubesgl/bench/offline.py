@@ -264,6 +264,7 @@ def main(args: argparse.Namespace) -> int:
     from kubesgl import LLM, SamplingParams
     from kubesgl.engine.compile import compile_figures
     from kubesgl.engine.step_profile import StepProfile
+    from kubesgl.kernels.gemv import skinny_table_size
     from kubesgl.kv.kv_cache import KVCache
     from kubesgl.values.constraint import Constraint
 
@@ -338,6 +339,7 @@ def main(args: argparse.Namespace) -> int:
         "mixed_chunk": args.enable_mixed_chunk,
         "max_prefill_length": args.max_prefill_length,
         "blas": torch.backends.cuda.preferred_blas_library().name if args.device == "cuda" else None,
+        "skinny_gemm_shapes": skinny_table_size(),  # mid-batch GEMM table entries in force (0: cuBLAS)
         "cuda_graph_max_bs": graphs.max_bs if graphs else 0,
         "graph_capture_s": round(graphs.capture_seconds, 2) if graphs else 0.0,  # compile included
         "piecewise_max_tokens": piecewise.max_tokens if piecewise else 0,

@@ -16,14 +16,70 @@ identical), another order than cuBLAS's: outputs differ from it within the dtype
 
 from __future__ import annotations
 
+import functools
+import json
+
 import torch
 import torch.nn.functional as F
 
 from kubesgl import env
 from kubesgl.kernels.dispatch import use_triton
+from kubesgl.kernels.gemm_config import GemmConfig
 
 GEMV_MAX_ROWS = 4
 GEMV_MAX_K = 4096  # a program holds [N/programs, K] in registers; larger K keeps cuBLAS
+SKINNY_MAX_ROWS = (
+    256  # the mid-batch GEMM (gemm_triton) serves GEMV_MAX_ROWS < M <= this, where its table says
+)
+SKINNY_DTYPES = (torch.bfloat16, torch.float16)  # float32 would run tl.dot in TF32, which F.linear does not
+
+# Mid-batch GEMM configs measured on Hopper (132 SMs; `kernel_bench.py --part skinny`): (N, K, silu, rows bucket)
+# -> config, only where the kernel beat cuBLAS at that shape and bucket; every other shape keeps cuBLAS.
+SKINNY_TABLE: dict[tuple[int, int, bool, int], str] = {}
+
+
+def rows_bucket(m: int) -> int:
+    """The table's row bucket of an M-row batch: the power of two at or above it, at least 8."""
+    return max(8, 1 << (m - 1).bit_length())
+
+
+@functools.cache
+def _table_from(path: str | None) -> dict[tuple[int, int, bool, int], GemmConfig]:
+    """The built-in table, or the one a sweep wrote (KUBESGL_SKINNY_CONFIGS: {"n,k,silu,bucket": config key})."""
+    if not path:
+        return {key: GemmConfig.parse(cfg) for key, cfg in SKINNY_TABLE.items()}
+    with open(path) as f:
+        raw = json.load(f)["configs"]
+    table = {}
+    for key, cfg in raw.items():
+        n, k, silu, bucket = (int(v) for v in key.split(","))
+        table[(n, k, bool(silu), bucket)] = GemmConfig.parse(cfg)
+    return table
+
+
+def skinny_table_size() -> int:
+    """Entries of the mid-batch GEMM's table in force: 0 with the switch off."""
+    return len(_table_from(env.skinny_configs())) if env.skinny_gemm() else 0
+
+
+@functools.cache
+def _hopper(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] == 9
+
+
+def skinny_config(x: torch.Tensor, weight: torch.Tensor, *, silu: bool = False) -> GemmConfig | None:
+    """The mid-batch GEMM's config for x [M, K] @ weight [N, K]^T (weight [2N, K] with `silu`): None where it
+    does not apply (switch off, not CUDA Hopper, M outside (GEMV_MAX_ROWS, SKINNY_MAX_ROWS], not bf16/fp16,
+    not dense, or no measured config for the shape)."""
+    m = x.shape[0] if x.dim() == 2 else 0
+    if not (GEMV_MAX_ROWS < m <= SKINNY_MAX_ROWS and x.dtype in SKINNY_DTYPES and weight.dtype == x.dtype):
+        return None
+    if not (env.skinny_gemm() and x.stride(-1) == 1 and weight.stride(-1) == 1 and use_triton(x)):
+        return None
+    if not _hopper(x.device.index if x.device.index is not None else torch.cuda.current_device()):
+        return None
+    n = weight.shape[0] // 2 if silu else weight.shape[0]
+    return _table_from(env.skinny_configs()).get((n, weight.shape[1], silu, rows_bucket(m)))
 
 
 def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -45,6 +101,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         from kubesgl.kernels import gemv_triton
 
         return gemv_triton.gemv(x, weight)
+    if bias is None and (cfg := skinny_config(x, weight)) is not None:
+        from kubesgl.kernels import gemm_triton
+
+        return gemm_triton.skinny_gemm(x, weight, cfg)
     return F.linear(x, weight, bias)
 
 
@@ -52,12 +112,19 @@ def gate_up_silu(
     x: torch.Tensor, gate_up: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor | None:
     """silu(x @ gate.T) * (x @ up.T) for gate_up = [gate; up] [2I, K] as one GEMV kernel where `gemv_applies`,
-    there is no bias and KUBESGL_GEMV_SILU is on; None otherwise (the caller runs the projection and SiluAndMul)."""
-    if bias is not None or not (gemv_applies(x, gate_up) and env.gemv_silu()):
+    there is no bias and KUBESGL_GEMV_SILU is on, or as the mid-batch GEMM with the same fold where
+    `skinny_config` has one; None otherwise (the caller runs the projection and SiluAndMul)."""
+    if bias is not None or not env.gemv_silu():
         return None
-    from kubesgl.kernels import gemv_triton
+    if gemv_applies(x, gate_up):
+        from kubesgl.kernels import gemv_triton
 
-    return gemv_triton.gemv_silu_mul(x, gate_up)
+        return gemv_triton.gemv_silu_mul(x, gate_up)
+    if (cfg := skinny_config(x, gate_up, silu=True)) is not None:
+        from kubesgl.kernels import gemm_triton
+
+        return gemm_triton.skinny_gemm(x, gate_up, cfg, silu=True)
+    return None
 
 
 def norm_linear(

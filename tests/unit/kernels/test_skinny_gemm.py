@@ -1,0 +1,249 @@
+"""The mid-batch GEMM (kernels/gemm_triton.py) and its dispatch (kernels/gemv.py's `skinny_config`).
+
+Without CUDA the kernel runs in Triton's interpreter on float32 CPU tensors (split-K's counters and its last
+program's sum included); the `gpu` tests run it compiled in bf16 at Qwen3-0.6B's projection shapes, replayed in a
+CUDA graph with PDL behind the kernel that writes its input, and through `linear` with a table on and off.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from kubesgl.kernels import gemm_triton
+from kubesgl.kernels import gemv as gemv_module
+from kubesgl.kernels.gemm_config import GemmConfig
+from kubesgl.kernels.gemv import SKINNY_MAX_ROWS, gate_up_silu, linear, rows_bucket, skinny_config
+from support.numerics import reorder_bound, unit_roundoff
+
+CUDA = torch.cuda.is_available()
+cpu_interpreter = pytest.mark.skipif(CUDA, reason="the GPU tests cover the kernel compiled")
+
+
+def randn(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=gen) * scale
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert out.shape == ref.shape and torch.isfinite(out).all()
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def counters_zero(device: torch.device) -> bool:
+    counters = gemm_triton._counters.get(device)
+    return counters is None or int(counters.abs().sum()) == 0
+
+
+@cpu_interpreter
+@pytest.mark.parametrize(
+    ("m", "n", "k", "cfg"),
+    [
+        (5, 40, 96, GemmConfig(16, 16, 32)),  # masked rows and columns, one M block
+        (37, 70, 200, GemmConfig(32, 32, 64, 2)),  # two M blocks; K = 200 cut into ranges of 128 and 72
+        (20, 48, 256, GemmConfig(16, 16, 32, 4)),  # four splits of whole steps
+        (70, 33, 130, GemmConfig(64, 16, 32, 3)),  # three splits, the last one short
+    ],
+)
+def test_skinny_gemm_matches_linear(m: int, n: int, k: int, cfg: GemmConfig) -> None:
+    x, w = randn(m, k, seed=m), randn(n, k, seed=n, scale=k**-0.5)
+    out = gemm_triton.skinny_gemm(x, w, cfg)
+    assert out.dtype == torch.float32 and out.shape == (m, n)
+    assert rel_err(out, F.linear(x, w)) < reorder_bound(torch.float32, k)
+    assert counters_zero(x.device), "the last program of each tile leaves its counter at 0"
+
+
+@cpu_interpreter
+def test_split_k_sums_the_parts_in_split_order_whatever_program_finishes_last() -> None:
+    """The last program sums the float32 partials in split order, starting from 0: the output is exactly the
+    ordered sum of the split products, the same on every launch."""
+    m, n, k, splits = 6, 16, 64, 4
+    x, w = randn(m, k, seed=1), randn(n, k, seed=2, scale=k**-0.5)
+    cfg = GemmConfig(16, 16, 16, splits)
+    parts = [F.linear(x[:, s * 16 : (s + 1) * 16], w[:, s * 16 : (s + 1) * 16]) for s in range(splits)]
+    want = torch.zeros(m, n)
+    for part in parts:
+        want = want + part
+    for _ in range(3):
+        out = gemm_triton.skinny_gemm(x, w, cfg)
+        assert torch.allclose(out, want, rtol=0, atol=4 * unit_roundoff(torch.float32) * want.abs().max())
+    assert counters_zero(x.device)
+
+
+@cpu_interpreter
+@pytest.mark.parametrize(("m", "n", "k"), [(9, 24, 64), (33, 20, 96)])
+def test_skinny_gemm_silu_matches_projection_then_silu_mul(m: int, n: int, k: int) -> None:
+    x, w = randn(m, k, seed=m), randn(2 * n, k, seed=n, scale=k**-0.5)
+    out = gemm_triton.skinny_gemm(x, w, GemmConfig(16, 16, 32), silu=True)
+    assert out.shape == (m, n)
+    gate, up = F.linear(x, w).chunk(2, dim=-1)
+    # silu(g) * u moves with g by at most |u| * max|silu'| (< 1.1) and with u by |silu(g)| (< |g| + 0.3).
+    assert rel_err(out, F.silu(gate) * up) < 4 * reorder_bound(torch.float32, k)
+
+
+def test_skinny_gemm_refuses_what_it_cannot_run() -> None:
+    x, w = torch.zeros(8, 64), torch.zeros(32, 64)
+    with pytest.raises(ValueError, match="x"):
+        gemm_triton.skinny_gemm(x, torch.zeros(32, 48), GemmConfig(16, 16, 16))
+    with pytest.raises(ValueError, match="split_k 1"):
+        gemm_triton.skinny_gemm(x, w, GemmConfig(16, 16, 16, 2), silu=True)
+    with pytest.raises(ValueError, match="one dtype"):
+        gemm_triton.skinny_gemm(x.double(), w, GemmConfig(16, 16, 16))
+
+
+def test_config_keys_round_trip_and_bad_keys_are_refused() -> None:
+    cfg = GemmConfig(32, 64, 128, 4, 8, 3)
+    assert cfg.key() == "m32n64k128s4w8p3" and GemmConfig.parse(cfg.key()) == cfg
+    with pytest.raises(ValueError, match="not a GEMM config key"):
+        GemmConfig.parse("m32n64")
+
+
+def test_rows_bucket_is_the_power_of_two_at_or_above_at_least_8() -> None:
+    assert [rows_bucket(m) for m in (5, 8, 9, 16, 17, 100, 128, 129, 256)] == [
+        8,
+        8,
+        16,
+        16,
+        32,
+        128,
+        128,
+        256,
+        256,
+    ]
+
+
+def test_a_sweeps_table_is_read_by_shape_and_bucket(tmp_path: Path) -> None:
+    path = tmp_path / "table.json"
+    path.write_text(
+        json.dumps({"configs": {"4096,1024,0,64": "m64n64k128s1w4p3", "3072,1024,1,8": "m16n32k64s1w4p4"}})
+    )
+    table = gemv_module._table_from(str(path))
+    assert table == {
+        (4096, 1024, False, 64): GemmConfig(64, 64, 128, 1, 4, 3),
+        (3072, 1024, True, 8): GemmConfig(16, 32, 64, 1, 4, 4),
+    }
+
+
+@cpu_interpreter
+def test_no_config_off_cuda_so_cpu_projections_keep_f_linear(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """On CPU (and for float32, and outside 5-256 rows) `linear` stays F.linear, bit for bit, table or not."""
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps({"configs": {"32,64,0,8": "m16n16k16s1w4p3"}}))
+    monkeypatch.setenv("KUBESGL_SKINNY_CONFIGS", str(path))
+    x, w = randn(8, 64, seed=1), randn(32, 64, seed=2)
+    assert skinny_config(x, w) is None and skinny_config(x.bfloat16(), w.bfloat16()) is None
+    assert torch.equal(linear(x, w), F.linear(x, w))
+    assert gate_up_silu(x, randn(64, 64, seed=3)) is None
+
+
+# --- GPU ----------------------------------------------------------------------------------------------------
+
+SHAPES = {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)}
+GPU_CONFIGS = [
+    GemmConfig(16, 32, 128),
+    GemmConfig(16, 64, 128, 4),
+    GemmConfig(64, 64, 64, 2, 4, 4),
+    GemmConfig(128, 64, 128, 1, 8, 3),
+    GemmConfig(64, 32, 128, 8),
+]
+
+
+def bf16_bound(k: int) -> float:
+    """The output's bf16 rounding plus float32 sums in another order than the float32 reference's."""
+    return 2 * unit_roundoff(torch.bfloat16) + reorder_bound(torch.float32, k)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("name", list(SHAPES))
+@pytest.mark.parametrize("m", [5, 16, 37, 64, 100, 256])
+def test_gpu_skinny_gemm_matches_linear_at_the_models_shapes(name: str, m: int) -> None:
+    n, k = SHAPES[name]
+    x = randn(m, k, seed=m).to("cuda", torch.bfloat16)
+    w = randn(n, k, seed=n, scale=k**-0.5).to("cuda", torch.bfloat16)
+    ref = F.linear(x.float(), w.float())
+    for cfg in GPU_CONFIGS:
+        if k // cfg.split_k < cfg.block_k:
+            continue
+        out = gemm_triton.skinny_gemm(x, w, cfg)
+        assert rel_err(out, ref) < bf16_bound(k), cfg
+        assert torch.equal(gemm_triton.skinny_gemm(x, w, cfg), out), f"{cfg}: not the same on a second launch"
+    assert counters_zero(x.device)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("m", [8, 48, 256])
+def test_gpu_skinny_gemm_silu_matches_the_two_kernels(m: int) -> None:
+    from kubesgl.kernels.activation_triton import silu_and_mul
+
+    x = randn(m, 1024, seed=m).to("cuda", torch.bfloat16)
+    w = randn(6144, 1024, seed=5, scale=1024**-0.5).to("cuda", torch.bfloat16)
+    want = silu_and_mul(F.linear(x, w))
+    out = gemm_triton.skinny_gemm(x, w, GemmConfig(16 if m <= 16 else 64, 32, 128), silu=True)
+    # Each projection is rounded to bf16 where the GEMM rounds, then silu·mul as the kernel computes it: the two
+    # differ only by the GEMMs' float32 sums in another order, a bf16 step at a rounding boundary.
+    assert rel_err(out, want) < 2 * unit_roundoff(torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("cfg", [GemmConfig(64, 64, 128, 4), GemmConfig(16, 32, 128)], ids=lambda c: c.key())
+def test_gpu_skinny_gemm_in_a_graph_after_another_kernel_reads_that_kernels_output(cfg: GemmConfig) -> None:
+    """PDL: the first weight tile is read before the wait, the input after it; replayed in a CUDA graph behind the
+    kernel that writes the input, every replay must see the new input, and split-K's counters stay zeroed."""
+    w = randn(1024, 3072, seed=7, scale=3072**-0.5).to("cuda", torch.bfloat16)
+    src = torch.zeros(40, 3072, device="cuda", dtype=torch.bfloat16)
+    x = torch.empty_like(src)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            torch.mul(src, 2, out=x)
+            gemm_triton.skinny_gemm(x, w, cfg)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        torch.mul(src, 2, out=x)
+        out = gemm_triton.skinny_gemm(x, w, cfg)
+        out2 = gemm_triton.skinny_gemm(x, w, cfg)  # a second launch on the same counters
+    for seed in range(5):
+        src.copy_(randn(40, 3072, seed=seed).to(torch.bfloat16))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(out, F.linear(2 * src.float(), w.float())) < bf16_bound(3072)
+        assert torch.equal(out, out2)
+    assert counters_zero(x.device)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_gpu_linear_takes_the_tables_config_and_agrees_with_cublas(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    path = tmp_path / "table.json"
+    path.write_text(
+        json.dumps({"configs": {"1024,2048,0,64": "m64n64k128s4w4p3", "3072,1024,1,64": "m64n32k128s1w4p3"}})
+    )
+    monkeypatch.setenv("KUBESGL_SKINNY_CONFIGS", str(path))
+    x = randn(60, 2048, seed=1).to("cuda", torch.bfloat16)
+    w = randn(1024, 2048, seed=2, scale=2048**-0.5).to("cuda", torch.bfloat16)
+    assert skinny_config(x, w) == GemmConfig(64, 64, 128, 4)
+    assert (
+        skinny_config(x[:4], w) is None and skinny_config(x[:30], w) is None
+    )  # the GEMV's rows; no 32 bucket
+    assert (
+        skinny_config(torch.zeros(SKINNY_MAX_ROWS + 1, 2048, device="cuda", dtype=torch.bfloat16), w) is None
+    )
+    assert rel_err(linear(x, w), F.linear(x, w)) < 2 * bf16_bound(2048)
+    gate_up = randn(6144, 1024, seed=3, scale=1024**-0.5).to("cuda", torch.bfloat16)
+    xg = randn(50, 1024, seed=4).to("cuda", torch.bfloat16)
+    act = gate_up_silu(xg, gate_up)
+    assert act is not None and act.shape == (50, 3072)
+    monkeypatch.setenv("KUBESGL_SKINNY_GEMM", "0")
+    assert skinny_config(x, w) is None and gate_up_silu(xg, gate_up) is None
+    torch.testing.assert_close(linear(x, w), F.linear(x, w), rtol=0, atol=0)
