@@ -12,6 +12,11 @@ with the SiLU fold; with the norm folds 1.107 -> 1.030 on another H100 and 0.956
 throughput unchanged; docs/performance.md). KUBESGL_GEMV=0 keeps cuBLAS and SiluAndMul; KUBESGL_GEMV_SILU=0 and
 KUBESGL_GEMV_NORM=0 turn off only their fold. Each program's sums run in a fixed order (no atomics: run to run
 identical), another order than cuBLAS's: outputs differ from it within the dtype's rounding.
+
+Batches of 5-256 rows take the mid-batch GEMM (`gemm_triton`: tensor cores, PDL, split-K summed in a fixed order)
+where `SKINNY_TABLE` names a config for the projection's shape and rows bucket: the sweep found it ahead of cuBLAS
+at 8-32 rows (1.07-1.48x per projection) and behind it at 256 (0.79-0.84x), so the table keeps cuBLAS there;
+offline on an H200 it is +0.6 % (three pairs, each ahead). KUBESGL_SKINNY_GEMM=0 keeps cuBLAS.
 """
 
 from __future__ import annotations
@@ -33,9 +38,25 @@ SKINNY_MAX_ROWS = (
 )
 SKINNY_DTYPES = (torch.bfloat16, torch.float16)  # float32 would run tl.dot in TF32, which F.linear does not
 
-# Mid-batch GEMM configs measured on Hopper (132 SMs; `kernel_bench.py --part skinny`): (N, K, silu, rows bucket)
-# -> config, only where the kernel beat cuBLAS at that shape and bucket; every other shape keeps cuBLAS.
-SKINNY_TABLE: dict[tuple[int, int, bool, int], str] = {}
+# Mid-batch GEMM configs (N, K, silu, rows bucket) -> config, only where the kernel beat cuBLAS by >= 3 % at that
+# shape and bucket (benchmark/skinny_sweep.py on a lent H200, 132 SMs, 2026-12-07: benchmark/results/
+# call1_2026-12-07_s15/); every other shape, Qwen3-0.6B's at 256 rows and its qkv above 16 among them, keeps cuBLAS.
+SKINNY_TABLE: dict[tuple[int, int, bool, int], str] = {
+    (4096, 1024, False, 8): "m16n64k128s4w4p3",
+    (1024, 2048, False, 8): "m16n64k128s8w4p3",
+    (3072, 1024, True, 8): "m16n64k128s1w4p3",
+    (1024, 3072, False, 8): "m16n64k128s8w4p3",
+    (4096, 1024, False, 16): "m16n64k128s4w4p3",
+    (1024, 2048, False, 16): "m16n32k128s8w4p3",
+    (3072, 1024, True, 16): "m16n64k128s1w4p3",
+    (1024, 3072, False, 16): "m16n32k64s8w4p4",
+    (1024, 2048, False, 32): "m32n32k128s4w4p3",
+    (3072, 1024, True, 32): "m32n64k128s1w4p3",
+    (1024, 3072, False, 32): "m32n32k64s8w4p4",
+    (1024, 2048, False, 64): "m64n32k64s4w4p4",
+    (1024, 3072, False, 64): "m64n32k64s4w4p4",
+    (1024, 3072, False, 128): "m64n64k128s4w4p3",
+}
 
 
 def rows_bucket(m: int) -> int:

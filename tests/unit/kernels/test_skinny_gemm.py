@@ -247,3 +247,15 @@ def test_gpu_linear_takes_the_tables_config_and_agrees_with_cublas(
     monkeypatch.setenv("KUBESGL_SKINNY_GEMM", "0")
     assert skinny_config(x, w) is None and gate_up_silu(xg, gate_up) is None
     torch.testing.assert_close(linear(x, w), F.linear(x, w), rtol=0, atol=0)
+
+
+def test_the_built_in_table_names_configs_the_kernel_can_launch() -> None:
+    """Every entry parses, a SiLU-folded one has no K split, and split-K's output tiles fit the counters."""
+    table = gemv_module._table_from(None)
+    assert len(table) == len(gemv_module.SKINNY_TABLE) > 0
+    for (n, k, silu, bucket), cfg in table.items():
+        assert bucket == rows_bucket(bucket) and 8 <= bucket <= SKINNY_MAX_ROWS
+        assert not silu or cfg.split_k == 1
+        assert k // cfg.split_k >= cfg.block_k, (n, k, cfg)
+        tiles = -(-bucket // cfg.block_m) * -(-n // cfg.block_n)
+        assert tiles <= gemm_triton.MAX_TILES
