@@ -26,15 +26,16 @@ MIN_PROGRAMS = 128
 
 @triton.jit
 def _scan_quarter(logits_ptr, row_off, start, vocab, scale, u, best_val, best_idx, Q: tl.constexpr):
+    """Lane j keeps the best score of the columns start + j it has seen: elementwise, no reduction."""
     cols = start + tl.arange(0, Q)
     mask = cols < vocab
     logit = tl.load(logits_ptr + row_off + cols, mask=mask, other=float("-inf")).to(tl.float32)
     score = tl.where(scale < 0, logit, logit * scale - tl.log(-tl.log(u)))
     score = tl.where(mask, score, float("-inf"))
-    m = tl.max(score, 0)
-    i = tl.argmax(score, 0)
-    take = m > best_val  # strictly greater: the first index wins a tie, as in torch.argmax
-    return tl.where(take, start + i, best_idx), tl.where(take, m, best_val)
+    take = (
+        score > best_val
+    )  # strictly greater: a lane sees its columns in increasing order, the first one wins
+    return tl.where(take, cols, best_idx), tl.where(take, score, best_val)
 
 
 @triton.jit
@@ -53,14 +54,16 @@ def _gumbel_partial_kernel(
     Q: tl.constexpr,
 ):
     """One Philox call (rand4x) draws the noise of four logits, a quarter-block apart: with one call per logit
-    the generator, not the memory, bounds the kernel."""
+    the generator, not the memory, bounds the kernel. Each lane keeps a running best over its columns and the
+    program reduces once at the end (a max and an argmax per quarter cost more than the scan at large batch):
+    the largest score, the lowest column among lanes that hold it, as torch.argmax breaks ties."""
     row = tl.program_id(0)
     split = tl.program_id(1)
     scale = tl.load(scale_ptr + row)
     key = tl.load(key_ptr)
     row_off = row.to(tl.int64) * stride
-    best_val = tl.full([1], float("-inf"), tl.float32)
-    best_idx = tl.full([1], 0, tl.int32)
+    best_val = tl.full([Q], float("-inf"), tl.float32)
+    best_idx = tl.full([Q], 0, tl.int32)
     lo = split * SPLIT
     for off in range(0, SPLIT, BLOCK):
         base = lo + off
@@ -78,9 +81,13 @@ def _gumbel_partial_kernel(
         best_idx, best_val = _scan_quarter(
             logits_ptr, row_off, base + 3 * Q, vocab, scale, u3, best_val, best_idx, Q
         )
-    at = row * n_splits + split + tl.arange(0, 1)
-    tl.store(part_val_ptr + at, best_val)
-    tl.store(part_idx_ptr + at, best_idx)
+    top = tl.max(best_val, 0)
+    # A split whose every score is -inf (masked columns) reports column 0 (no lane took a column): the pick
+    # kernel never takes it over a finite score.
+    idx = tl.min(tl.where(best_val == top, best_idx, 2147483647), 0)
+    at = row * n_splits + split
+    tl.store(part_val_ptr + at, top)
+    tl.store(part_idx_ptr + at, idx)
 
 
 @triton.jit
