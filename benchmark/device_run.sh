@@ -349,6 +349,12 @@ case "$mode" in
       grep "^== bs" "$OUT/trace_skinny$on.txt" | sed "s/^/skinny $on: /"
     done
     ;;
+  overlap25)  # issue 25's next lever, probed before it is built: a decode step's attention + projections for the whole
+              # batch against two half-batches on two streams in one graph (benchmark/overlap_probe.py), 256 and 128 rows
+    for bs in 256 128; do
+      timeout 120 python3 benchmark/overlap_probe.py --bs $bs --json "$OUT/overlap.jsonl" 2>&1 | grep -v Warn | tail -1
+    done
+    ;;
   b)
     $B --model Qwen3-14B
     $B --model Qwen3-0.6B --attn triton

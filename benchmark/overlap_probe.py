@@ -1,0 +1,199 @@
+"""Does a decode step's projection work hide under its attention when the batch runs as two halves on two streams?
+
+Issue 25's next lever (docs/performance.md, fifteenth session): at 128-256 rows a decode step is ~2/3 attention
+(bound by HBM) and ~1.2-1.4 ms of projections, norms and small kernels (bound by their fixed costs, not by the
+tensor cores). Two half-batches are independent until the LM head, so each can run its 28 layers on its own stream
+inside one CUDA graph and the GPU can put one half's projections beside the other half's attention. The price: the
+projections run twice at half the rows, and at 64-128 rows they cost nearly what they cost at 256.
+
+This measures the lever before it is built into the engine, with the engine's own kernels: the planned Triton
+decode over a ragged batch (workload-like lengths, seeded; one layer's KV cache re-read per layer call, more than L2
+holds) and a decoder layer's projections and norms (`kernels.gemv.linear` / `gate_up_silu`, so cuBLAS or the
+mid-batch GEMM by its table, 8 layers' weights in turn). Per step of `--layers` layers, CUDA-graph replays:
+
+    full       the whole batch: attention, then projections, per layer (today's decode step, less LM head/sampling)
+    halves     two half-batches one after the other on one stream (what the split costs with no overlap)
+    overlap    the two halves on two streams, forked and joined inside the graph
+    attn/proj  each part alone, for the whole batch and for a half
+
+    python benchmark/overlap_probe.py [--bs 256] [--layers 28] [--json out.jsonl]
+
+It pays if `overlap` < `full`; `hidden` = (halves - overlap) / min(half parts) says how much of the smaller part the
+GPU hid (1 = all of it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from attention_bw import DTYPE, HEAD_DIM, KV_HEADS, PAGE, Q_HEADS, decode_batch  # noqa: E402
+from kernel_bench import EPS, SHAPES, emit  # noqa: E402
+
+HIDDEN = 1024
+
+
+def replay_ms(graph: torch.cuda.CUDAGraph, reps: int = 10) -> float:
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def capture(parts: list[Callable[[], None]]) -> torch.cuda.CUDAGraph:
+    """One graph: parts[0] on the capture stream, each further part on a stream of its own, forked from the
+    capture stream at the start and joined at the end (after a warm-up of each part on a side stream)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for part in parts:
+            part()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    streams = [torch.cuda.Stream() for _ in parts[1:]]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        main = torch.cuda.current_stream()
+        for s in streams:
+            s.wait_stream(main)
+        parts[0]()
+        for s, part in zip(streams, parts[1:], strict=True):
+            with torch.cuda.stream(s):
+                part()
+        for s in streams:
+            main.wait_stream(s)
+    return graph
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--bs", type=int, default=256)
+    p.add_argument("--layers", type=int, default=28)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        print("overlap_probe needs a CUDA device", file=sys.stderr)
+        return 2
+    from kubesgl.attention.triton_backend import TritonAttention
+    from kubesgl.kernels.activation import silu_and_mul
+    from kubesgl.kernels.gemv import gate_up_silu, linear
+    from kubesgl.kernels.norm import fused_add_rms_norm
+    from kubesgl.kv.kv_cache import KVCache
+
+    rng = random.Random(0)
+    lens = [rng.randint(100, 1024) + rng.randint(0, rng.randint(100, 1024)) for _ in range(args.bs)]
+    batches = {"full": lens, "a": lens[0::2], "b": lens[1::2]}  # alternate rows: halves of like length
+    kv = KVCache(1, 2 * sum(-(-n // PAGE) for n in lens) + 2, PAGE, KV_HEADS, HEAD_DIM, DTYPE, "cuda")
+    kv.k_pages(0).normal_()
+    kv.v_pages(0).normal_()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(shape, generator=gen, device="cuda", dtype=torch.float32) * scale).to(DTYPE)
+
+    ws = [
+        {n: rand(*SHAPES[n], scale=SHAPES[n][1] ** -0.5) for n in ("qkv", "o", "gate_up", "down")}
+        for _ in range(8)
+    ]
+    nw = 1 + 0.1 * rand(HIDDEN)
+    state: dict[str, dict[str, Any]] = {}
+    for name, seq_lens in batches.items():
+        meta, _ = decode_batch(seq_lens, kv)
+        backend = TritonAttention(
+            device="cuda", num_q_heads=Q_HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM
+        )
+        bs = len(seq_lens)
+        backend.init_cuda_graph(bs, meta.page_table.shape[1])
+        backend.plan_capture(bs)
+        state[name] = {
+            "meta": meta,
+            "backend": backend,
+            "q": torch.randn((bs, Q_HEADS, HEAD_DIM), dtype=DTYPE, device="cuda"),
+            "h": rand(bs, HIDDEN),
+            "r": rand(bs, HIDDEN),
+        }
+
+    def attn(name: str) -> Callable[[], None]:
+        s = state[name]
+
+        def run() -> None:
+            for _ in range(args.layers):
+                s["backend"].forward(s["q"], 0, kv, HEAD_DIM**-0.5)
+
+        return run
+
+    def proj(name: str) -> Callable[[], None]:
+        s = state[name]
+        attn_out = s["q"].view(s["q"].shape[0], -1)
+
+        def run() -> None:
+            h, r = s["h"], s["r"]
+            for layer in range(args.layers):
+                w = ws[layer % len(ws)]
+                normed, r = fused_add_rms_norm(h, r, nw, EPS)
+                linear(normed, w["qkv"])
+                normed, r = fused_add_rms_norm(linear(attn_out, w["o"]), r, nw, EPS)
+                act = gate_up_silu(normed, w["gate_up"])
+                h = linear(act if act is not None else silu_and_mul(linear(normed, w["gate_up"])), w["down"])
+
+        return run
+
+    def both(name: str) -> Callable[[], None]:
+        s = state[name]
+        attn_out = s["q"].view(s["q"].shape[0], -1)
+
+        def run() -> None:
+            h, r = s["h"], s["r"]
+            for layer in range(args.layers):
+                w = ws[layer % len(ws)]
+                normed, r = fused_add_rms_norm(h, r, nw, EPS)
+                linear(normed, w["qkv"])
+                s["backend"].forward(s["q"], 0, kv, HEAD_DIM**-0.5)
+                normed, r = fused_add_rms_norm(linear(attn_out, w["o"]), r, nw, EPS)
+                act = gate_up_silu(normed, w["gate_up"])
+                h = linear(act if act is not None else silu_and_mul(linear(normed, w["gate_up"])), w["down"])
+
+        return run
+
+    graphs = {
+        "full": capture([both("full")]),
+        "halves": capture([lambda: (both("a")(), both("b")())]),
+        "overlap": capture([both("a"), both("b")]),
+        "attn_full": capture([attn("full")]),
+        "proj_full": capture([proj("full")]),
+        "attn_half": capture([attn("a")]),
+        "proj_half": capture([proj("a")]),
+    }
+    for name, s in state.items():  # the work lists of the real lengths, into each backend's graph buffers
+        s["backend"].plan_replay(s["meta"], len(batches[name]))
+    ms = {name: replay_ms(g) for name, g in graphs.items()}
+    small = min(ms["attn_half"], ms["proj_half"])
+    ms["hidden"] = (ms["halves"] - ms["overlap"]) / small if small > 0 else float("nan")
+    row = {"part": "overlap", "device": torch.cuda.get_device_name(), "bs": args.bs, "layers": args.layers}
+    emit({**row, **{k: round(v, 4) for k, v in ms.items()}}, args.json)
+    print(
+        f"{args.bs} rows, {args.layers} layers, ms per step: full {ms['full']:.3f}  halves {ms['halves']:.3f}  "
+        f"overlap {ms['overlap']:.3f} ({ms['full'] / ms['overlap']:.3f}x of full); parts: attention "
+        f"{ms['attn_full']:.3f} / half {ms['attn_half']:.3f}, projections {ms['proj_full']:.3f} / half "
+        f"{ms['proj_half']:.3f}; hidden {ms['hidden']:.2f} of the smaller half part"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
