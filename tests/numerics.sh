@@ -12,6 +12,7 @@ files=(
   tests/unit/engine/test_engine_behaviour.py tests/unit/engine/test_mixed_chunk.py
   tests/unit/engine/test_batch_numerics.py tests/unit/engine/test_engine_parity.py
   tests/unit/engine/test_disaggregation.py tests/unit/engine/test_piecewise_graph.py tests/unit/kernels/test_gemv.py
+  tests/unit/kernels/test_skinny_gemm.py
   tests/e2e/test_lm_eval.py tests/e2e/test_gateway_e2e.py
 )
 settings=(
