@@ -33,9 +33,8 @@ from kubesgl.kernels.gemm_config import GemmConfig
 
 GEMV_MAX_ROWS = 4
 GEMV_MAX_K = 4096  # a program holds [N/programs, K] in registers; larger K keeps cuBLAS
-SKINNY_MAX_ROWS = (
-    256  # the mid-batch GEMM (gemm_triton) serves GEMV_MAX_ROWS < M <= this, where its table says
-)
+# The mid-batch GEMM (gemm_triton) serves GEMV_MAX_ROWS < M <= SKINNY_MAX_ROWS, where its table says.
+SKINNY_MAX_ROWS = 256
 SKINNY_DTYPES = (torch.bfloat16, torch.float16)  # float32 would run tl.dot in TF32, which F.linear does not
 
 # Mid-batch GEMM configs (N, K, silu, rows bucket) -> config, only where the kernel beat cuBLAS by >= 3 % at that
@@ -69,12 +68,17 @@ def _table_from(path: str | None) -> dict[tuple[int, int, bool, int], GemmConfig
     """The built-in table, or the one a sweep wrote (KUBESGL_SKINNY_CONFIGS: {"n,k,silu,bucket": config key})."""
     if not path:
         return {key: GemmConfig.parse(cfg) for key, cfg in SKINNY_TABLE.items()}
-    with open(path) as f:
-        raw = json.load(f)["configs"]
-    table = {}
-    for key, cfg in raw.items():
-        n, k, silu, bucket = (int(v) for v in key.split(","))
-        table[(n, k, bool(silu), bucket)] = GemmConfig.parse(cfg)
+    try:
+        with open(path) as f:
+            raw = json.load(f)["configs"]
+        table = {}
+        for key, cfg in raw.items():
+            n, k, silu, bucket = (int(v) for v in key.split(","))
+            table[(n, k, bool(silu), bucket)] = GemmConfig.parse(cfg)
+    except (OSError, ValueError, KeyError, AttributeError) as e:
+        raise ValueError(
+            f"KUBESGL_SKINNY_CONFIGS={path}: not a sweep's table ({{'configs': {{'n,k,silu,bucket': key}}}}): {e}"
+        ) from e
     return table
 
 

@@ -259,3 +259,14 @@ def test_the_built_in_table_names_configs_the_kernel_can_launch() -> None:
         assert k // cfg.split_k >= cfg.block_k, (n, k, cfg)
         tiles = -(-bucket // cfg.block_m) * -(-n // cfg.block_n)
         assert tiles <= gemm_triton.MAX_TILES
+
+
+@pytest.mark.parametrize(
+    "text", [None, "{}", '{"configs": {"1,2": "m16n16k16s1w4p3"}}', '{"configs": {"1,2,0,8": "x"}}']
+)
+def test_a_table_that_is_missing_or_malformed_is_refused_by_name(tmp_path: Path, text: str | None) -> None:
+    path = tmp_path / "table.json"
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(ValueError, match="KUBESGL_SKINNY_CONFIGS"):
+        gemv_module._table_from(str(path))
