@@ -31,10 +31,12 @@ from kubesgl.kernels.gemm_config import GemmConfig
 from kubesgl.kernels.pdl import pdl_kwargs
 from kubesgl.kernels.pdl_triton import pdl_launch_dependents, pdl_wait
 
-# Tile counters for split-K, per device: zeros, left zeroed by every launch. Allocated once, never replaced,
-# since captured CUDA graphs hold their address.
+# Tile counters for split-K: zeros, left zeroed by every launch. One buffer per (device, stream), so launches on
+# two streams at once (two half-batches, say) never count on each other's tiles; launches on one stream run one
+# after another and share it. Allocated once per stream and never replaced, since captured CUDA graphs hold their
+# address (a buffer first made during a capture comes from the graph's pool, zeroed by a node of that graph).
 MAX_TILES = 1 << 14
-_counters: dict[torch.device, torch.Tensor] = {}
+_counters: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
 @triton.jit
@@ -118,9 +120,10 @@ def _skinny_gemm_kernel(
 
 
 def _counters_for(device: torch.device) -> torch.Tensor:
-    counters = _counters.get(device)
+    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    counters = _counters.get(key)
     if counters is None:
-        counters = _counters[device] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
+        counters = _counters[key] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
     return counters
 
 

@@ -34,8 +34,8 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def counters_zero(device: torch.device) -> bool:
-    counters = gemm_triton._counters.get(device)
-    return counters is None or int(counters.abs().sum()) == 0
+    """Every split-K counter buffer of `device` (one per stream) is back at 0."""
+    return all(int(c.abs().sum()) == 0 for (dev, _), c in gemm_triton._counters.items() if dev == device)
 
 
 @cpu_interpreter
@@ -218,6 +218,34 @@ def test_gpu_skinny_gemm_in_a_graph_after_another_kernel_reads_that_kernels_outp
         assert rel_err(out, F.linear(2 * src.float(), w.float())) < bf16_bound(3072)
         assert torch.equal(out, out2)
     assert counters_zero(x.device)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_gpu_split_k_on_two_streams_at_once_keeps_each_launchs_tiles_apart() -> None:
+    """Two half-batches' GEMMs on two streams of one graph run at the same time: each stream counts on its own
+    counters, so no launch takes the other's increments for its own parts (a shared buffer would sum early)."""
+    cfg = GemmConfig(64, 64, 128, 4)
+    w = randn(1024, 3072, seed=7, scale=3072**-0.5).to("cuda", torch.bfloat16)
+    xa = randn(100, 3072, seed=1).to("cuda", torch.bfloat16)
+    xb = randn(100, 3072, seed=2).to("cuda", torch.bfloat16)
+    side = torch.cuda.Stream()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        main = torch.cuda.current_stream()
+        side.wait_stream(main)
+        outs_a = [gemm_triton.skinny_gemm(xa, w, cfg) for _ in range(8)]
+        with torch.cuda.stream(side):
+            outs_b = [gemm_triton.skinny_gemm(xb, w, cfg) for _ in range(8)]
+        main.wait_stream(side)
+    for _ in range(5):
+        graph.replay()
+        torch.cuda.synchronize()
+        for out in outs_a:
+            assert rel_err(out, F.linear(xa.float(), w.float())) < bf16_bound(3072)
+        for out in outs_b:
+            assert rel_err(out, F.linear(xb.float(), w.float())) < bf16_bound(3072)
+    assert counters_zero(xa.device)
 
 
 @pytest.mark.gpu
