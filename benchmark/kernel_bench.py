@@ -73,6 +73,11 @@ def graph_seconds(fn: Callable[[], object], calls: int, reps: int = 30) -> float
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
+    return replay_seconds(graph, reps) / calls
+
+
+def replay_seconds(graph: torch.cuda.CUDAGraph, reps: int = 30) -> float:
+    """Median seconds of `reps` replays of a captured graph (after one untimed replay), by CUDA events."""
     graph.replay()
     times = []
     for _ in range(reps):
@@ -82,7 +87,7 @@ def graph_seconds(fn: Callable[[], object], calls: int, reps: int = 30) -> float
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times) / calls
+    return statistics.median(times)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -98,6 +103,35 @@ def part_copy(path: str | None) -> None:
     emit({"part": "copy", "device": torch.cuda.get_device_name(), "TBps": copy_bandwidth()}, path)
 
 
+def layer_step(
+    w: dict[str, torch.Tensor],
+    h: torch.Tensor,
+    r: torch.Tensor,
+    attn_out: torch.Tensor,
+    nw: torch.Tensor,
+    lin: Callable[..., torch.Tensor] = F.linear,
+    *,
+    fold_silu: bool = False,
+    attend: Callable[[], object] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decoder layer's projections and norms as the engine runs them: (hidden, residual) after it. `lin` is the
+    projection (cuBLAS by default); `fold_silu` takes kernels.gemv.gate_up_silu's one-kernel gate_up + SiLU·mul
+    where it applies; `attend`, if given, runs between qkv and o, and `attn_out` stands in for its output."""
+    from kubesgl.kernels.activation import silu_and_mul
+    from kubesgl.kernels.gemv import gate_up_silu
+    from kubesgl.kernels.norm import fused_add_rms_norm
+
+    normed, r = fused_add_rms_norm(h, r, nw, EPS)
+    lin(normed, w["qkv"])
+    if attend is not None:
+        attend()
+    normed, r = fused_add_rms_norm(lin(attn_out, w["o"]), r, nw, EPS)
+    act = gate_up_silu(normed, w["gate_up"]) if fold_silu else None
+    if act is None:
+        act = silu_and_mul(lin(normed, w["gate_up"]))
+    return lin(act, w["down"]), r
+
+
 def layer_projections(
     ws: list[dict[str, torch.Tensor]],
     nw: torch.Tensor,
@@ -105,20 +139,16 @@ def layer_projections(
     r0: torch.Tensor,
     attn_out: torch.Tensor,
     lin: Callable[..., torch.Tensor] = F.linear,
+    *,
+    fold_silu: bool = False,
 ) -> Callable[[], torch.Tensor]:
-    """The projections of len(ws) decoder layers as the engine runs them (norm kernels + `lin`, cuBLAS by
-    default; attention left out: `attn_out` stands in for its output)."""
-    from kubesgl.kernels.activation import silu_and_mul
-    from kubesgl.kernels.norm import fused_add_rms_norm
+    """The projections of len(ws) decoder layers (`layer_step` each; attention left out: `attn_out` stands in
+    for its output)."""
 
     def run() -> torch.Tensor:
         h, r = h0, r0
         for w in ws:
-            normed, r = fused_add_rms_norm(h, r, nw, EPS)
-            lin(normed, w["qkv"])
-            o = lin(attn_out, w["o"])
-            normed, r = fused_add_rms_norm(o, r, nw, EPS)
-            h = lin(silu_and_mul(lin(normed, w["gate_up"])), w["down"])
+            h, r = layer_step(w, h, r, attn_out, nw, lin, fold_silu=fold_silu)
         return h
 
     return run

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import statistics
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -37,22 +36,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from attention_bw import DTYPE, HEAD_DIM, KV_HEADS, PAGE, Q_HEADS, decode_batch  # noqa: E402
-from kernel_bench import EPS, SHAPES, emit  # noqa: E402
+from kernel_bench import SHAPES, emit, layer_step, replay_seconds  # noqa: E402
 
 HIDDEN = 1024
-
-
-def replay_ms(graph: torch.cuda.CUDAGraph, reps: int = 10) -> float:
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def capture(parts: list[Callable[[], None]]) -> torch.cuda.CUDAGraph:
@@ -90,9 +76,7 @@ def main() -> int:
         print("overlap_probe needs a CUDA device", file=sys.stderr)
         return 2
     from kubesgl.attention.triton_backend import TritonAttention
-    from kubesgl.kernels.activation import silu_and_mul
-    from kubesgl.kernels.gemv import gate_up_silu, linear
-    from kubesgl.kernels.norm import fused_add_rms_norm
+    from kubesgl.kernels.gemv import linear
     from kubesgl.kv.kv_cache import KVCache
 
     rng = random.Random(0)
@@ -128,60 +112,39 @@ def main() -> int:
             "r": rand(bs, HIDDEN),
         }
 
-    def attn(name: str) -> Callable[[], None]:
-        s = state[name]
-
-        def run() -> None:
-            for _ in range(args.layers):
-                s["backend"].forward(s["q"], 0, kv, HEAD_DIM**-0.5)
-
-        return run
-
-    def proj(name: str) -> Callable[[], None]:
+    def step(name: str, attention: bool = True, projections: bool = True) -> Callable[[], None]:
+        """`args.layers` decoder layers of one batch: its attention, its projections and norms, or both."""
         s = state[name]
         attn_out = s["q"].view(s["q"].shape[0], -1)
+
+        def attend() -> None:
+            s["backend"].forward(s["q"], 0, kv, HEAD_DIM**-0.5)
 
         def run() -> None:
             h, r = s["h"], s["r"]
             for layer in range(args.layers):
+                if not projections:
+                    attend()
+                    continue
                 w = ws[layer % len(ws)]
-                normed, r = fused_add_rms_norm(h, r, nw, EPS)
-                linear(normed, w["qkv"])
-                normed, r = fused_add_rms_norm(linear(attn_out, w["o"]), r, nw, EPS)
-                act = gate_up_silu(normed, w["gate_up"])
-                h = linear(act if act is not None else silu_and_mul(linear(normed, w["gate_up"])), w["down"])
-
-        return run
-
-    def both(name: str) -> Callable[[], None]:
-        s = state[name]
-        attn_out = s["q"].view(s["q"].shape[0], -1)
-
-        def run() -> None:
-            h, r = s["h"], s["r"]
-            for layer in range(args.layers):
-                w = ws[layer % len(ws)]
-                normed, r = fused_add_rms_norm(h, r, nw, EPS)
-                linear(normed, w["qkv"])
-                s["backend"].forward(s["q"], 0, kv, HEAD_DIM**-0.5)
-                normed, r = fused_add_rms_norm(linear(attn_out, w["o"]), r, nw, EPS)
-                act = gate_up_silu(normed, w["gate_up"])
-                h = linear(act if act is not None else silu_and_mul(linear(normed, w["gate_up"])), w["down"])
+                h, r = layer_step(
+                    w, h, r, attn_out, nw, linear, fold_silu=True, attend=attend if attention else None
+                )
 
         return run
 
     graphs = {
-        "full": capture([both("full")]),
-        "halves": capture([lambda: (both("a")(), both("b")())]),
-        "overlap": capture([both("a"), both("b")]),
-        "attn_full": capture([attn("full")]),
-        "proj_full": capture([proj("full")]),
-        "attn_half": capture([attn("a")]),
-        "proj_half": capture([proj("a")]),
+        "full": capture([step("full")]),
+        "halves": capture([lambda: (step("a")(), step("b")())]),
+        "overlap": capture([step("a"), step("b")]),
+        "attn_full": capture([step("full", projections=False)]),
+        "proj_full": capture([step("full", attention=False)]),
+        "attn_half": capture([step("a", projections=False)]),
+        "proj_half": capture([step("a", attention=False)]),
     }
     for name, s in state.items():  # the work lists of the real lengths, into each backend's graph buffers
         s["backend"].plan_replay(s["meta"], len(batches[name]))
-    ms = {name: replay_ms(g) for name, g in graphs.items()}
+    ms = {name: replay_seconds(g, 10) * 1e3 for name, g in graphs.items()}
     small = min(ms["attn_half"], ms["proj_half"])
     ms["hidden"] = (ms["halves"] - ms["overlap"]) / small if small > 0 else float("nan")
     row = {"part": "overlap", "device": torch.cuda.get_device_name(), "bs": args.bs, "layers": args.layers}

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from kernel_bench import BF16, EPS, SHAPES, emit, graph_seconds, rel_err  # noqa: E402
+from kernel_bench import BF16, SHAPES, emit, graph_seconds, layer_projections, rel_err  # noqa: E402
 
 ROWS = [8, 16, 32, 64, 128, 256]
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
@@ -66,8 +66,7 @@ def main() -> int:
         return 2
     from kubesgl.kernels.activation import silu_and_mul
     from kubesgl.kernels.gemm_triton import skinny_gemm
-    from kubesgl.kernels.gemv import gate_up_silu, linear
-    from kubesgl.kernels.norm import fused_add_rms_norm
+    from kubesgl.kernels.gemv import linear
 
     t0 = time.time()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -127,20 +126,7 @@ def main() -> int:
     nw = 1 + 0.1 * rand(1024)
 
     def layer(m: int) -> Any:
-        h0, r0, attn_out = rand(m, 1024), rand(m, 1024), rand(m, 2048)
-
-        def run() -> torch.Tensor:
-            h, r = h0, r0
-            for w in ws:
-                normed, r = fused_add_rms_norm(h, r, nw, EPS)
-                linear(normed, w["qkv"])
-                o = linear(attn_out, w["o"])
-                normed, r = fused_add_rms_norm(o, r, nw, EPS)
-                act = gate_up_silu(normed, w["gate_up"])
-                h = linear(act if act is not None else silu_and_mul(linear(normed, w["gate_up"])), w["down"])
-            return h
-
-        return run
+        return layer_projections(ws, nw, rand(m, 1024), rand(m, 1024), rand(m, 2048), linear, fold_silu=True)
 
     layers = []
     for m in (int(v) for v in args.rows.split(",")):
