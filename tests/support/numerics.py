@@ -135,3 +135,15 @@ def elementwise_bound(dtype: torch.dtype, roundings: int) -> float:
     """Norm-wise relative error of an elementwise formula of `roundings` sequential roundings (each operation,
     and each libm transcendental at <= 1 ulp, rounds once) whose terms do not cancel."""
     return roundings * unit_roundoff(dtype)
+
+
+def randn(*shape: int, seed: int, scale: float = 1.0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A seeded standard normal CPU tensor times `scale`, in `dtype`: the kernel tests' inputs."""
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=gen) * scale).to(dtype)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float32, after checking the shapes agree and `out` is finite."""
+    assert out.shape == ref.shape and torch.isfinite(out).all()
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()

@@ -16,15 +16,10 @@ from kubesgl.kernels import fused_mlp_triton, norm_triton
 from kubesgl.kernels.fused_mlp import FUSED_MLP_MAX_ROWS, fused_mlp_applies, fused_mlp_torch
 from kubesgl.kernels.norm import fused_add_rms_norm
 from kubesgl.models.decoder import DenseMLP
-from support.numerics import elementwise_bound, reorder_bound, unit_roundoff
+from support.numerics import elementwise_bound, randn, rel_err, reorder_bound, unit_roundoff
 
 CUDA = torch.cuda.is_available()
 cpu_interpreter = pytest.mark.skipif(CUDA, reason="the GPU tests cover the kernel compiled")
-
-
-def randn(*shape: int, seed: int, scale: float = 1.0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(shape, generator=gen) * scale).to(dtype)
 
 
 def mlp_inputs(m: int, hidden: int, inter: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -33,11 +28,6 @@ def mlp_inputs(m: int, hidden: int, inter: int, seed: int) -> tuple[torch.Tensor
         randn(2 * inter, hidden, seed=seed + 1, scale=hidden**-0.5),
         randn(hidden, inter, seed=seed + 2, scale=inter**-0.5),
     )
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    assert out.shape == ref.shape and torch.isfinite(out).all()
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
 def mlp_tol(dtype: torch.dtype, hidden: int, inter: int) -> float:

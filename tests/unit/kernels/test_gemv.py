@@ -27,21 +27,11 @@ from kubesgl.models.decoder import DenseMLP
 from kubesgl.models.loader import load_model
 from kubesgl.models.random_init import build_random_model
 from support.model_helpers import SingleRequestRunner
-from support.numerics import logits_tolerance, reorder_bound, unit_roundoff
+from support.numerics import logits_tolerance, randn, rel_err, reorder_bound, unit_roundoff
 from transformers import AutoModelForCausalLM
 
 CUDA = torch.cuda.is_available()
 cpu_interpreter = pytest.mark.skipif(CUDA, reason="the GPU tests cover the kernel compiled")
-
-
-def randn(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=gen) * scale
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    assert out.shape == ref.shape and torch.isfinite(out).all()
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
 @cpu_interpreter

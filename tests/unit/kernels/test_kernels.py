@@ -16,7 +16,7 @@ from kubesgl.kernels.qkv_prep import qkv_prep_torch
 from kubesgl.kernels.rotary import apply_rotary_neox, apply_rotary_neox_torch
 from kubesgl.layers.moe import route_topk
 from kubesgl.layers.rotary import RotaryEmbedding
-from support.numerics import elementwise_bound, reorder_bound, unit_roundoff
+from support.numerics import elementwise_bound, rel_err, reorder_bound, unit_roundoff
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
 
 CUDA = torch.cuda.is_available()
@@ -34,11 +34,6 @@ cpu_interpreter = pytest.mark.skipif(CUDA, reason="the GPU tests cover these ker
 def randn(*shape: int, seed: int, dtype: torch.dtype = torch.float32, device: str = "cpu") -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     return torch.randn(shape, generator=gen).to(dtype).to(device)
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    assert out.shape == ref.shape and torch.isfinite(out).all()
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
 # --- the public functions on CPU (torch paths) agree with HF transformers' own code -------------------

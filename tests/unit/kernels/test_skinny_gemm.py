@@ -17,20 +17,10 @@ from kubesgl.kernels import gemm_triton
 from kubesgl.kernels import gemv as gemv_module
 from kubesgl.kernels.gemm_config import GemmConfig
 from kubesgl.kernels.gemv import SKINNY_MAX_ROWS, gate_up_silu, linear, rows_bucket, skinny_config
-from support.numerics import reorder_bound, unit_roundoff
+from support.numerics import randn, rel_err, reorder_bound, unit_roundoff
 
 CUDA = torch.cuda.is_available()
 cpu_interpreter = pytest.mark.skipif(CUDA, reason="the GPU tests cover the kernel compiled")
-
-
-def randn(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=gen) * scale
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    assert out.shape == ref.shape and torch.isfinite(out).all()
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
 def counters_zero(device: torch.device) -> bool:
