@@ -68,8 +68,8 @@ def skinny_gemm() -> bool:
 
 
 def skinny_configs() -> str | None:
-    """KUBESGL_SKINNY_CONFIGS=path: the mid-batch GEMM's table from a sweep's JSON (benchmark/kernel_bench.py
-    --part skinny) instead of the built-in one."""
+    """KUBESGL_SKINNY_CONFIGS=path: the mid-batch GEMM's table from a sweep's JSON (benchmark/skinny_sweep.py
+    --table) instead of the built-in one."""
     return os.environ.get("KUBESGL_SKINNY_CONFIGS") or None
 
 

@@ -32,9 +32,8 @@ def _scan_quarter(logits_ptr, row_off, start, vocab, scale, u, best_val, best_id
     logit = tl.load(logits_ptr + row_off + cols, mask=mask, other=float("-inf")).to(tl.float32)
     score = tl.where(scale < 0, logit, logit * scale - tl.log(-tl.log(u)))
     score = tl.where(mask, score, float("-inf"))
-    take = (
-        score > best_val
-    )  # strictly greater: a lane sees its columns in increasing order, the first one wins
+    # Strictly greater: a lane sees its columns in increasing order, so the first one wins a tie.
+    take = score > best_val
     return tl.where(take, cols, best_idx), tl.where(take, score, best_val)
 
 
