@@ -113,23 +113,67 @@ def layer_step(
     *,
     fold_silu: bool = False,
     attend: Callable[[], object] | None = None,
+    prep: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decoder layer's projections and norms as the engine runs them: (hidden, residual) after it. `lin` is the
-    projection (cuBLAS by default); `fold_silu` takes kernels.gemv.gate_up_silu's one-kernel gate_up + SiLU·mul
-    where it applies; `attend`, if given, runs between qkv and o, and `attn_out` stands in for its output."""
+    projection (cuBLAS by default); `fold_silu` takes the engine's folds around gate_up where they apply (the
+    residual norm and SiLU·mul in one kernel: kernels.gemv.norm_linear, else gate_up_silu); `prep`, a
+    kernels.gemm_config.QkvPrep, adds the q/k norm, RoPE and KV store after qkv (kernels.gemv.norm_qkv_prep's one
+    kernel where its table has it, else the norm, `lin` and qkv_prep); `attend`, if given, runs between qkv and o,
+    and `attn_out` stands in for its output."""
     from kubesgl.kernels.activation import silu_and_mul
-    from kubesgl.kernels.gemv import gate_up_silu
+    from kubesgl.kernels.gemv import gate_up_silu, norm_linear, norm_qkv_prep
     from kubesgl.kernels.norm import fused_add_rms_norm
+    from kubesgl.kernels.qkv_prep_triton import qkv_prep
 
-    normed, r = fused_add_rms_norm(h, r, nw, EPS)
-    lin(normed, w["qkv"])
+    fused = norm_qkv_prep(h, r, nw, EPS, w["qkv"], None, lambda: prep) if prep is not None else None
+    if fused is not None:
+        r = fused[1]
+    else:
+        normed, r = fused_add_rms_norm(h, r, nw, EPS)
+        qkv = lin(normed, w["qkv"])
+        if prep is not None:
+            p = prep
+            qkv_prep(qkv, p.positions, p.out_loc, p.cos, p.sin, p.q_norm_weight, p.k_norm_weight, p.eps,
+                     p.k_cache, p.v_cache, p.num_q_heads, p.num_kv_heads)  # fmt: skip
     if attend is not None:
         attend()
-    normed, r = fused_add_rms_norm(lin(attn_out, w["o"]), r, nw, EPS)
-    act = gate_up_silu(normed, w["gate_up"]) if fold_silu else None
-    if act is None:
-        act = silu_and_mul(lin(normed, w["gate_up"]))
+    o = lin(attn_out, w["o"])
+    fused = norm_linear(o, r, nw, EPS, w["gate_up"], silu=True) if fold_silu else None
+    if fused is not None:
+        act, r = fused
+    else:
+        normed, r = fused_add_rms_norm(o, r, nw, EPS)
+        act = gate_up_silu(normed, w["gate_up"]) if fold_silu else None
+        if act is None:
+            act = silu_and_mul(lin(normed, w["gate_up"]))
     return lin(act, w["down"]), r
+
+
+def qkv_prep_args(m: int, q_heads: int = 16, kv_heads: int = 8, head_dim: int = 128, seed: int = 0) -> Any:
+    """A kernels.gemm_config.QkvPrep for `m` decode rows on the device: seeded positions below 4,096, one cache
+    slot each, Qwen3's RoPE base and q/k norm weights near 1."""
+    from kubesgl.kernels.gemm_config import QkvPrep
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    half = head_dim // 2
+    inv = 1e6 ** (-torch.arange(half, device="cuda", dtype=torch.float32) / half)
+    angles = torch.arange(4096, device="cuda", dtype=torch.float32)[:, None] * inv[None, :]
+    slots = max(m, 16)
+    norm_w = lambda: (1 + 0.1 * torch.randn(head_dim, generator=gen, device="cuda")).to(BF16)  # noqa: E731
+    return QkvPrep(
+        torch.randint(0, 4096, (m,), generator=gen, device="cuda"),
+        torch.randperm(slots, generator=gen, device="cuda")[:m],
+        angles.cos(),
+        angles.sin(),
+        norm_w(),
+        norm_w(),
+        1e-6,
+        torch.zeros(slots, kv_heads, head_dim, dtype=BF16, device="cuda"),
+        torch.zeros(slots, kv_heads, head_dim, dtype=BF16, device="cuda"),
+        q_heads,
+        kv_heads,
+    )
 
 
 def layer_projections(
@@ -141,6 +185,7 @@ def layer_projections(
     lin: Callable[..., torch.Tensor] = F.linear,
     *,
     fold_silu: bool = False,
+    prep: Any = None,
 ) -> Callable[[], torch.Tensor]:
     """The projections of len(ws) decoder layers (`layer_step` each; attention left out: `attn_out` stands in
     for its output)."""
@@ -148,7 +193,7 @@ def layer_projections(
     def run() -> torch.Tensor:
         h, r = h0, r0
         for w in ws:
-            h, r = layer_step(w, h, r, attn_out, nw, lin, fold_silu=fold_silu)
+            h, r = layer_step(w, h, r, attn_out, nw, lin, fold_silu=fold_silu, prep=prep)
         return h
 
     return run

@@ -1,6 +1,9 @@
-"""The mid-batch GEMM (kernels/gemm_triton.py) against cuBLAS at Qwen3-0.6B's projection shapes, for decode batches
-of 8-256 rows: every candidate config per (shape, rows), the best one kept where it beats cuBLAS, then a decoder
-layer's projections and norms over 8 layers with the table off and on. Writes the table the engine reads
+"""The mid-batch GEMM (kernels/gemm_triton.py) against the kernels it replaces at Qwen3-0.6B's projection shapes, for
+decode batches of 8-256 rows: every candidate config per (shape, op, rows), the best one kept where it beats them,
+then a decoder layer's projections, norms and qkv prep over 8 layers with the table off and on. The ops: each
+projection alone against cuBLAS (gate_up with its SiLU·mul, against cuBLAS + silu_and_mul); gate_up behind its
+residual RMSNorm (norm_silu, against the norm kernel + the best unfused gate_up); qkv from the input RMSNorm to its
+prep (norm_prep: q/k norm, RoPE, KV store; against the norm kernel + the best qkv projection + qkv_prep). Writes the table the engine reads
 (KUBESGL_SKINNY_CONFIGS) and prints one summary.
 
     python benchmark/skinny_sweep.py --json $OUT/skinny.jsonl --table $OUT/skinny_table.json
@@ -25,28 +28,39 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from kernel_bench import BF16, SHAPES, emit, graph_seconds, layer_projections, rel_err  # noqa: E402
+from kernel_bench import BF16, EPS, SHAPES, emit, graph_seconds, layer_projections, qkv_prep_args, rel_err  # noqa: E402
 
 ROWS = [8, 16, 32, 64, 128, 256]
-PROJECTIONS = ("qkv", "o", "gate_up", "down")
-WIN = 0.97  # a config enters the table only if it takes at most this share of cuBLAS's time
+# (projection, op): the projections alone (gate_up with its SiLU·mul), then the folds that take the kernels around
+# them in too: gate_up behind its residual norm, and qkv from the input norm to its prep (q/k norm, RoPE, KV store).
+CASES = (
+    ("qkv", "linear"),
+    ("o", "linear"),
+    ("gate_up", "silu"),
+    ("down", "linear"),
+    ("gate_up", "norm_silu"),
+    ("qkv", "norm_prep"),
+)
+WIN = 0.97  # a config enters the table only if it takes at most this share of the unfused kernels' time
 MAX_REL_ERR = 0.01  # bf16 rounding of the output (2^-8 relative) with margin; a wrong tile is far off
+HEAD_HALF = 64  # Qwen3's head_dim / 2: the PREP epilogue's block_n
 
 
-def candidates(m: int, n: int, k: int, silu: bool, sms: int) -> list[Any]:
-    """Configs worth timing: a rows tile that covers the batch (64 or 128 above 64 rows), output tiles of 32-128
-    weight rows, K steps of 64 or 128, and K splits only where the output tiles alone leave multiprocessors idle."""
+def candidates(m: int, n: int, k: int, sms: int, block_ns: tuple[int, ...] = (32, 64, 128)) -> list[Any]:
+    """Configs worth timing: a rows tile that covers the batch (64 or 128 above 64 rows), output tiles of
+    `block_ns` weight rows (n / block_n tiles across), K steps of 64 or 128, and K splits only where the output
+    tiles alone leave multiprocessors idle."""
     from kubesgl.kernels.gemm_config import GemmConfig
 
     pow2 = 1 << (m - 1).bit_length()
     block_ms = [max(16, pow2)] if m <= 64 else [64, 128]
     out = []
     for bm in block_ms:
-        for bn in (32, 64, 128):
+        for bn in block_ns:
             for bk in (64, 128):
                 tiles = -(-m // bm) * -(-n // bn)
                 for split in (1, 2, 4, 8):
-                    if split > 1 and (silu or tiles >= 2 * sms or tiles * split > 4 * sms or k // split < bk):
+                    if split > 1 and (tiles >= 2 * sms or tiles * split > 4 * sms or k // split < bk):
                         continue
                     if tiles * split < sms // 4:
                         continue
@@ -64,9 +78,12 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("skinny_sweep needs a CUDA device", file=sys.stderr)
         return 2
+    from kubesgl.kernels import gemm_triton
+    from kubesgl.kernels import gemv as gemv_module
     from kubesgl.kernels.activation import silu_and_mul
-    from kubesgl.kernels.gemm_triton import skinny_gemm
-    from kubesgl.kernels.gemv import linear
+    from kubesgl.kernels.gemv import gate_up_silu, linear
+    from kubesgl.kernels.norm import fused_add_rms_norm
+    from kubesgl.kernels.qkv_prep_triton import qkv_prep
 
     t0 = time.time()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -76,57 +93,102 @@ def main() -> int:
         return (torch.randn(shape, generator=gen, device="cuda", dtype=torch.float32) * scale).to(BF16)
 
     ws = [
-        {name: rand(*SHAPES[name], scale=SHAPES[name][1] ** -0.5) for name in PROJECTIONS} for _ in range(8)
+        {name: rand(*SHAPES[name], scale=SHAPES[name][1] ** -0.5) for name in ("qkv", "o", "gate_up", "down")}
+        for _ in range(8)
     ]
+    nw = 1 + 0.1 * rand(1024)
     table: dict[str, str] = {}
+
+    def write_table() -> None:
+        with open(args.table, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "sms": sms, "configs": table}, f, indent=1)
+        gemv_module._table_from.cache_clear()  # read once per path: the next call reads this version
+
+    def unfused(name: str, op: str, x: torch.Tensor, r: torch.Tensor, prep: Any) -> Any:
+        """What the engine runs without `op`'s kernel (with the table so far, for the folds): one layer's."""
+
+        def one(w: dict[str, torch.Tensor]) -> torch.Tensor:
+            if op == "linear":
+                return F.linear(x, w[name])
+            if op == "silu":
+                return silu_and_mul(F.linear(x, w[name]))
+            normed, _ = fused_add_rms_norm(x, r, nw, EPS)
+            if op == "norm_silu":
+                act = gate_up_silu(normed, w[name])
+                return act if act is not None else silu_and_mul(linear(normed, w[name]))
+            p = prep
+            return qkv_prep(linear(normed, w[name]), p.positions, p.out_loc, p.cos, p.sin, p.q_norm_weight,
+                            p.k_norm_weight, p.eps, p.k_cache, p.v_cache, p.num_q_heads, p.num_kv_heads)  # fmt: skip
+
+        return one
+
+    def fused(name: str, op: str, x: torch.Tensor, r: torch.Tensor, prep: Any, cfg: Any) -> Any:
+        def one(w: dict[str, torch.Tensor]) -> torch.Tensor:
+            if op in ("linear", "silu"):
+                return gemm_triton.skinny_gemm(x, w[name], cfg, silu=op == "silu")
+            if op == "norm_silu":
+                return gemm_triton.norm_skinny_gemm(x, r, nw, EPS, w[name], cfg, silu=True)[0]
+            return gemm_triton.norm_qkv_prep(x, r, nw, EPS, w[name], cfg, prep)[0]
+
+        return one
+
     best_rows = []
     for m in (int(v) for v in args.rows.split(",")):
-        for name in PROJECTIONS:
+        for name, op in CASES:
+            if op.startswith("norm"):  # the unfused baseline takes the table the plain cases just wrote
+                write_table()
+                os.environ["KUBESGL_SKINNY_CONFIGS"] = os.path.abspath(args.table)
             n, k = SHAPES[name]
-            silu = name == "gate_up"
-            x = rand(m, k)
-            ref = F.linear(x.float(), ws[0][name].float())
-            if silu:
-                gate, up = ref.chunk(2, dim=-1)
-                ref = F.silu(gate.to(BF16).float()) * up.to(BF16).float()
-                base = lambda x=x, name=name: [silu_and_mul(F.linear(x, w[name])) for w in ws]  # noqa: E731
-            else:
-                base = lambda x=x, name=name: [F.linear(x, w[name]) for w in ws]  # noqa: E731
-            cublas = graph_seconds(base, len(ws)) * 1e6
-            emit({"part": "skinny", "what": name, "m": m, "impl": "cublas", "us": cublas}, args.json)
+            x, r = rand(m, k), rand(m, k)
+            prep = qkv_prep_args(m) if op == "norm_prep" else None
+            base = unfused(name, op, x, r, prep)
+            ref = base(ws[0]).float()
+            us_base = graph_seconds(lambda base=base: [base(w) for w in ws], len(ws)) * 1e6
+            emit(
+                {"part": "skinny", "what": name, "op": op, "m": m, "impl": "unfused", "us": us_base},
+                args.json,
+            )
             best: tuple[float, str] | None = None
-            out_n = n // 2 if silu else n
-            for cfg in candidates(m, out_n, k, silu, sms):
+            out_n = n // 2 if op.endswith("silu") else n
+            if op == "norm_prep":
+                cands = candidates(m, out_n // 2, k, sms, (HEAD_HALF,))
+            else:
+                cands = candidates(m, out_n, k, sms)
+            for cfg in cands:
+                run = fused(name, op, x, r, prep, cfg)
                 try:
-                    err = rel_err(skinny_gemm(x, ws[0][name], cfg, silu=silu), ref)
-                    run = lambda x=x, name=name, cfg=cfg, silu=silu: [  # noqa: E731
-                        skinny_gemm(x, w[name], cfg, silu=silu) for w in ws
-                    ]
-                    us = graph_seconds(run, len(ws)) * 1e6
+                    err = rel_err(run(ws[0]), ref)
+                    us = graph_seconds(lambda run=run: [run(w) for w in ws], len(ws)) * 1e6
                 except Exception as e:  # a config Triton cannot build (shared memory, registers): skipped
                     emit(
-                        {"part": "skinny", "what": name, "m": m, "cfg": cfg.key(), "error": str(e)[:200]},
+                        {
+                            "part": "skinny",
+                            "what": name,
+                            "op": op,
+                            "m": m,
+                            "cfg": cfg.key(),
+                            "error": str(e)[:200],
+                        },
                         args.json,
                     )
                     continue
                 ok = err < MAX_REL_ERR
-                row = {"part": "skinny", "what": name, "m": m, "impl": "triton", "cfg": cfg.key(), "us": us,
-                       "rel_err": err, "ok": ok}  # fmt: skip
+                row = {"part": "skinny", "what": name, "op": op, "m": m, "impl": "triton", "cfg": cfg.key(),
+                       "us": us, "rel_err": err, "ok": ok}  # fmt: skip
                 emit(row, args.json)
                 if ok and (best is None or us < best[0]):
                     best = (us, cfg.key())
             if best is not None:
-                best_rows.append((name, m, cublas, best[0], best[1]))
-                if best[0] <= WIN * cublas:
-                    table[f"{out_n},{k},{int(silu)},{m}"] = best[1]
-    with open(args.table, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "sms": sms, "configs": table}, f, indent=1)
+                best_rows.append((f"{name}/{op}", m, us_base, best[0], best[1]))
+                if best[0] <= WIN * us_base:
+                    table[f"{out_n},{k},{op},{m}"] = best[1]
+    write_table()
     os.environ["KUBESGL_SKINNY_CONFIGS"] = os.path.abspath(args.table)
 
-    nw = 1 + 0.1 * rand(1024)
-
     def layer(m: int) -> Any:
-        return layer_projections(ws, nw, rand(m, 1024), rand(m, 1024), rand(m, 2048), linear, fold_silu=True)
+        return layer_projections(
+            ws, nw, rand(m, 1024), rand(m, 1024), rand(m, 2048), linear, fold_silu=True, prep=qkv_prep_args(m)
+        )
 
     layers = []
     for m in (int(v) for v in args.rows.split(",")):
@@ -140,14 +202,16 @@ def main() -> int:
     os.environ.pop("KUBESGL_SKINNY_GEMM")
 
     print(
-        f"\n==== mid-batch GEMM vs cuBLAS, {torch.cuda.get_device_name()} ({sms} SMs), us per projection ===="
+        f"\n==== mid-batch GEMM vs the unfused kernels, {torch.cuda.get_device_name()} ({sms} SMs), us per call ===="
     )
-    for name, m, cublas, us, key in best_rows:
-        mark = "table" if us <= WIN * cublas else "cuBLAS kept"
+    for what, m, base_us, us, key in best_rows:
+        mark = "table" if us <= WIN * base_us else "kept unfused"
         print(
-            f"  {name:8} M {m:>3}: cuBLAS {cublas:6.2f}  best {us:6.2f} ({key})  x{cublas / us:4.2f}  {mark}"
+            f"  {what:18} M {m:>3}: unfused {base_us:6.2f}  best {us:6.2f} ({key})  x{base_us / us:4.2f}  {mark}"
         )
-    print("  a decoder layer's projections + norms (8 layers in a graph), us per layer: off -> on")
+    print(
+        "  a decoder layer's projections, norms and qkv prep (8 layers in a graph), us per layer: off -> on"
+    )
     for m, off, on in layers:
         print(f"  M {m:>3}: {off:6.1f} -> {on:6.1f}  => {(off - on) * 28 / 1e3:+.3f} ms per 28-layer step")
     print(f"table: {len(table)} entries -> {args.table}; sweep took {time.time() - t0:.0f} s")

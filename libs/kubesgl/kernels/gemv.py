@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from kubesgl import env
 from kubesgl.kernels.dispatch import use_triton
-from kubesgl.kernels.gemm_config import GemmConfig
+from kubesgl.kernels.gemm_config import GemmConfig, QkvPrep
 
 GEMV_MAX_ROWS = 4
 GEMV_MAX_K = 4096  # a program holds [N/programs, K] in registers; larger K keeps cuBLAS
@@ -37,24 +38,30 @@ GEMV_MAX_K = 4096  # a program holds [N/programs, K] in registers; larger K keep
 SKINNY_MAX_ROWS = 256
 SKINNY_DTYPES = (torch.bfloat16, torch.float16)  # float32 would run tl.dot in TF32, which F.linear does not
 
-# Mid-batch GEMM configs (N, K, silu, rows bucket) -> config, only where the kernel beat cuBLAS by >= 3 % at that
+# What one launch of the mid-batch GEMM does (`gemm_triton`): the projection alone, with the SiLU·mul of [gate; up]
+# folded in, behind its RMSNorm (and residual add), both, or the input norm + qkv projection + q/k norm, RoPE and
+# KV store (the whole stretch from a layer's input to its attention). N is the output width (gate_up's half).
+SKINNY_OPS = ("linear", "silu", "norm", "norm_silu", "norm_prep")
+_LEGACY_OPS = {"0": "linear", "1": "silu"}  # the fifteenth session's tables: "n,k,silu,bucket"
+
+# Mid-batch GEMM configs (N, K, op, rows bucket) -> config, only where the kernel beat cuBLAS by >= 3 % at that
 # shape and bucket (benchmark/skinny_sweep.py on a lent H200, 132 SMs, 2026-12-07: benchmark/results/
 # call1_2026-12-07_s15/); every other shape, Qwen3-0.6B's at 256 rows and its qkv above 16 among them, keeps cuBLAS.
-SKINNY_TABLE: dict[tuple[int, int, bool, int], str] = {
-    (4096, 1024, False, 8): "m16n64k128s4w4p3",
-    (1024, 2048, False, 8): "m16n64k128s8w4p3",
-    (3072, 1024, True, 8): "m16n64k128s1w4p3",
-    (1024, 3072, False, 8): "m16n64k128s8w4p3",
-    (4096, 1024, False, 16): "m16n64k128s4w4p3",
-    (1024, 2048, False, 16): "m16n32k128s8w4p3",
-    (3072, 1024, True, 16): "m16n64k128s1w4p3",
-    (1024, 3072, False, 16): "m16n32k64s8w4p4",
-    (1024, 2048, False, 32): "m32n32k128s4w4p3",
-    (3072, 1024, True, 32): "m32n64k128s1w4p3",
-    (1024, 3072, False, 32): "m32n32k64s8w4p4",
-    (1024, 2048, False, 64): "m64n32k64s4w4p4",
-    (1024, 3072, False, 64): "m64n32k64s4w4p4",
-    (1024, 3072, False, 128): "m64n64k128s4w4p3",
+SKINNY_TABLE: dict[tuple[int, int, str, int], str] = {
+    (4096, 1024, "linear", 8): "m16n64k128s4w4p3",
+    (1024, 2048, "linear", 8): "m16n64k128s8w4p3",
+    (3072, 1024, "silu", 8): "m16n64k128s1w4p3",
+    (1024, 3072, "linear", 8): "m16n64k128s8w4p3",
+    (4096, 1024, "linear", 16): "m16n64k128s4w4p3",
+    (1024, 2048, "linear", 16): "m16n32k128s8w4p3",
+    (3072, 1024, "silu", 16): "m16n64k128s1w4p3",
+    (1024, 3072, "linear", 16): "m16n32k64s8w4p4",
+    (1024, 2048, "linear", 32): "m32n32k128s4w4p3",
+    (3072, 1024, "silu", 32): "m32n64k128s1w4p3",
+    (1024, 3072, "linear", 32): "m32n32k64s8w4p4",
+    (1024, 2048, "linear", 64): "m64n32k64s4w4p4",
+    (1024, 3072, "linear", 64): "m64n32k64s4w4p4",
+    (1024, 3072, "linear", 128): "m64n64k128s4w4p3",
 }
 
 
@@ -64,8 +71,9 @@ def rows_bucket(m: int) -> int:
 
 
 @functools.cache
-def _table_from(path: str | None) -> dict[tuple[int, int, bool, int], GemmConfig]:
-    """The built-in table, or the one a sweep wrote (KUBESGL_SKINNY_CONFIGS: {"n,k,silu,bucket": config key})."""
+def _table_from(path: str | None) -> dict[tuple[int, int, str, int], GemmConfig]:
+    """The built-in table, or the one a sweep wrote (KUBESGL_SKINNY_CONFIGS: {"n,k,op,bucket": config key}, op
+    one of SKINNY_OPS, or 0 / 1 for linear / silu)."""
     if not path:
         return {key: GemmConfig.parse(cfg) for key, cfg in SKINNY_TABLE.items()}
     try:
@@ -73,11 +81,14 @@ def _table_from(path: str | None) -> dict[tuple[int, int, bool, int], GemmConfig
             raw = json.load(f)["configs"]
         table = {}
         for key, cfg in raw.items():
-            n, k, silu, bucket = (int(v) for v in key.split(","))
-            table[(n, k, bool(silu), bucket)] = GemmConfig.parse(cfg)
+            n, k, op, bucket = key.split(",")
+            op = _LEGACY_OPS.get(op, op)
+            if op not in SKINNY_OPS:
+                raise ValueError(f"op {op!r} is none of {SKINNY_OPS}")
+            table[(int(n), int(k), op, int(bucket))] = GemmConfig.parse(cfg)
     except (OSError, ValueError, KeyError, AttributeError) as e:
         raise ValueError(
-            f"KUBESGL_SKINNY_CONFIGS={path}: not a sweep's table ({{'configs': {{'n,k,silu,bucket': key}}}}): {e}"
+            f"KUBESGL_SKINNY_CONFIGS={path}: not a sweep's table ({{'configs': {{'n,k,op,bucket': key}}}}): {e}"
         ) from e
     return table
 
@@ -92,10 +103,10 @@ def _hopper(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] == 9
 
 
-def skinny_config(x: torch.Tensor, weight: torch.Tensor, *, silu: bool = False) -> GemmConfig | None:
-    """The mid-batch GEMM's config for x [M, K] @ weight [N, K]^T (weight [2N, K] with `silu`): None where it
-    does not apply (switch off, not CUDA Hopper, M outside (GEMV_MAX_ROWS, SKINNY_MAX_ROWS], not bf16/fp16,
-    not dense, or no measured config for the shape)."""
+def skinny_config(x: torch.Tensor, weight: torch.Tensor, *, op: str = "linear") -> GemmConfig | None:
+    """The mid-batch GEMM's config for `op` (SKINNY_OPS) on x [M, K] @ weight [N, K]^T (weight [2N, K] for the
+    silu ops): None where it does not apply (switch off, not CUDA Hopper, M outside (GEMV_MAX_ROWS,
+    SKINNY_MAX_ROWS], not bf16/fp16, not dense, or no measured config for the shape)."""
     m = x.shape[0] if x.dim() == 2 else 0
     if not (GEMV_MAX_ROWS < m <= SKINNY_MAX_ROWS and x.dtype in SKINNY_DTYPES and weight.dtype == x.dtype):
         return None
@@ -103,8 +114,8 @@ def skinny_config(x: torch.Tensor, weight: torch.Tensor, *, silu: bool = False) 
         return None
     if not _hopper(x.device.index if x.device.index is not None else torch.cuda.current_device()):
         return None
-    n = weight.shape[0] // 2 if silu else weight.shape[0]
-    return _table_from(env.skinny_configs()).get((n, weight.shape[1], silu, rows_bucket(m)))
+    n = weight.shape[0] // 2 if op.endswith("silu") else weight.shape[0]
+    return _table_from(env.skinny_configs()).get((n, weight.shape[1], op, rows_bucket(m)))
 
 
 def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -145,7 +156,7 @@ def gate_up_silu(
         from kubesgl.kernels import gemv_triton
 
         return gemv_triton.gemv_silu_mul(x, gate_up)
-    if (cfg := skinny_config(x, gate_up, silu=True)) is not None:
+    if (cfg := skinny_config(x, gate_up, op="silu")) is not None:
         from kubesgl.kernels import gemm_triton
 
         return gemm_triton.skinny_gemm(x, gate_up, cfg, silu=True)
@@ -162,21 +173,58 @@ def norm_linear(
     *,
     silu: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """An RMSNorm (with its residual add) and the projection after it as one GEMV kernel: (projection, or
-    silu·mul of [gate; up] when `silu`, of norm(x + residual), x + residual) where `gemv_applies`, there is no
-    bias, x has the norm weight's dtype, the residual (if any) is dense and x's dtype and shape, and the norm
-    fold (and for `silu` the SiLU fold) is on; None otherwise (the caller runs the norm and the projection). A
-    float32 x is the fused MLP's sum, which the separate norm rounds into the residual's dtype first."""
-    if bias is not None or not (
-        gemv_applies(x, weight) and env.gemv_norm() and (env.gemv_silu() or not silu)
-    ):
+    """An RMSNorm (with its residual add) and the projection after it as one kernel, the GEMV where
+    `gemv_applies` or the mid-batch GEMM where its table has the "norm" ("norm_silu") op: (projection, or
+    silu·mul of [gate; up] when `silu`, of norm(x + residual), x + residual), if there is no bias, x has the
+    norm weight's dtype, the residual (if any) is dense and x's dtype and shape, and the norm fold (and for
+    `silu` the SiLU fold) is on; None otherwise (the caller runs the norm and the projection). A float32 x is
+    the fused MLP's sum, which the separate norm rounds into the residual's dtype first."""
+    if not _norm_fold_applies(x, residual, norm_weight, bias, silu):
         return None
-    if x.dtype != norm_weight.dtype:
-        return None
-    if residual is not None and (
-        residual.dtype != x.dtype or residual.shape != x.shape or not residual.is_contiguous()
-    ):
-        return None
-    from kubesgl.kernels import gemv_triton
+    if gemv_applies(x, weight):
+        from kubesgl.kernels import gemv_triton
 
-    return gemv_triton.norm_gemv(x, residual, norm_weight, eps, weight, silu=silu)
+        return gemv_triton.norm_gemv(x, residual, norm_weight, eps, weight, silu=silu)
+    if (cfg := skinny_config(x, weight, op="norm_silu" if silu else "norm")) is not None:
+        from kubesgl.kernels import gemm_triton
+
+        return gemm_triton.norm_skinny_gemm(x, residual, norm_weight, eps, weight, cfg, silu=silu)
+    return None
+
+
+def norm_qkv_prep(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    prep: Callable[[], QkvPrep],
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A decoder layer's input norm (with its residual add), fused qkv projection, q/k norms, RoPE and K/V
+    store as one mid-batch GEMM, where its table has the "norm_prep" op and the norm fold applies (as for
+    `norm_linear`): (q [M, q_heads * D], x + residual); None otherwise. `prep` builds the epilogue's
+    arguments, only when the fold runs."""
+    if not _norm_fold_applies(x, residual, norm_weight, bias, False):
+        return None
+    if (cfg := skinny_config(x, weight, op="norm_prep")) is None:
+        return None
+    from kubesgl.kernels import gemm_triton
+
+    return gemm_triton.norm_qkv_prep(x, residual, norm_weight, eps, weight, cfg, prep())
+
+
+def _norm_fold_applies(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    silu: bool,
+) -> bool:
+    if bias is not None or not env.gemv_norm() or (silu and not env.gemv_silu()):
+        return False
+    if x.dtype != norm_weight.dtype or x.dim() != 2:
+        return False
+    return residual is None or (
+        residual.dtype == x.dtype and residual.shape == x.shape and residual.is_contiguous()
+    )

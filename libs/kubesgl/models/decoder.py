@@ -17,7 +17,8 @@ from kubesgl.distributed import TPGroup
 from kubesgl.errors import UnsupportedModelError
 from kubesgl.kernels.dispatch import use_triton
 from kubesgl.kernels.fused_mlp import fused_mlp, fused_mlp_applies
-from kubesgl.kernels.gemv import gate_up_silu, norm_linear
+from kubesgl.kernels.gemm_config import QkvPrep
+from kubesgl.kernels.gemv import gate_up_silu, norm_linear, norm_qkv_prep
 from kubesgl.layers import opaque
 from kubesgl.layers.activation import SiluAndMul
 from kubesgl.layers.attention import Attention
@@ -92,6 +93,45 @@ class DecoderAttention(nn.Module):
             return self._prep_fused(qkv, positions, fb, out)
         q = self._prep(qkv, positions, fb)
         return q if out is None else out.copy_(q)
+
+    def norm_prep(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm: RMSNorm,
+        positions: torch.Tensor,
+        fb: ForwardBatch,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The layer's input norm `norm`, the qkv projection and `prep` as one mid-batch GEMM
+        (kernels/gemm_triton.py's PREP epilogue) where its table has a config: (q, residual); None otherwise."""
+        if opaque.tracing():
+            return None
+        qkv = self.qkv_proj
+        return norm_qkv_prep(
+            hidden,
+            residual,
+            norm.weight,
+            norm.eps,
+            qkv.weight,
+            qkv.bias,
+            lambda: self._qkv_prep_args(positions, fb),
+        )
+
+    def _qkv_prep_args(self, positions: torch.Tensor, fb: ForwardBatch) -> QkvPrep:
+        layer, qn, kn = self.attn.layer_id, self.q_norm, self.k_norm
+        return QkvPrep(
+            positions,
+            fb.out_loc,
+            self.rotary_emb.cos,
+            self.rotary_emb.sin,
+            qn.weight if qn is not None else None,
+            kn.weight if kn is not None else None,
+            qn.eps if qn is not None else 0.0,
+            fb.kv.k_flat(layer),
+            fb.kv.v_flat(layer),
+            self.attn.num_heads,
+            self.attn.num_kv_heads,
+        )
 
     def _prep(self, qkv: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         """q/k norms and RoPE op by op (HF's arithmetic, bit for bit on CPU), K/V into the cache; returns q."""
@@ -179,11 +219,15 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         attn, norm = self.self_attn, self.input_layernorm
         fused = norm_linear(hidden, residual, norm.weight, norm.eps, attn.qkv_proj.weight, attn.qkv_proj.bias)
-        if fused is None:
-            hidden, residual = self._input_norm(hidden, residual)
-            return self._mlp_block(attn(positions, hidden, fb), residual)
-        qkv, residual = fused  # the input norm inside the qkv GEMV (a decode step of a few rows on CUDA)
-        return self._mlp_block(attn.o_proj(attn.attend(qkv, positions, fb)), residual)
+        if fused is not None:  # the input norm inside the qkv GEMV (a decode step of a few rows on CUDA)
+            qkv, residual = fused
+            return self._mlp_block(attn.o_proj(attn.attend(qkv, positions, fb)), residual)
+        prepped = attn.norm_prep(hidden, residual, norm, positions, fb)
+        if prepped is not None:  # norm, qkv and its prep in one mid-batch GEMM (5-256 rows on CUDA)
+            q, residual = prepped
+            return self._mlp_block(attn.o_proj(attn.attn(q, fb)), residual)
+        hidden, residual = self._input_norm(hidden, residual)
+        return self._mlp_block(attn(positions, hidden, fb), residual)
 
     def _input_norm(
         self, hidden: torch.Tensor, residual: torch.Tensor | None

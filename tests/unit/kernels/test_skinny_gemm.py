@@ -15,11 +15,20 @@ import torch
 import torch.nn.functional as F
 from kubesgl.kernels import gemm_triton
 from kubesgl.kernels import gemv as gemv_module
-from kubesgl.kernels.gemm_config import GemmConfig
-from kubesgl.kernels.gemv import SKINNY_MAX_ROWS, gate_up_silu, linear, rows_bucket, skinny_config
+from kubesgl.kernels.gemm_config import GemmConfig, QkvPrep
+from kubesgl.kernels.gemv import (
+    SKINNY_MAX_ROWS,
+    gate_up_silu,
+    linear,
+    norm_linear,
+    norm_qkv_prep,
+    rows_bucket,
+    skinny_config,
+)
 from support.numerics import randn, rel_err, reorder_bound, unit_roundoff
 
 CUDA = torch.cuda.is_available()
+EPS = 1e-6
 cpu_interpreter = pytest.mark.skipif(CUDA, reason="the GPU tests cover the kernel compiled")
 
 
@@ -64,22 +73,131 @@ def test_split_k_output_is_the_ordered_sum_of_the_split_products_on_every_launch
 
 
 @cpu_interpreter
-@pytest.mark.parametrize(("m", "n", "k"), [(9, 24, 64), (33, 20, 96)])
-def test_skinny_gemm_silu_matches_projection_then_silu_mul(m: int, n: int, k: int) -> None:
+@pytest.mark.parametrize(
+    ("m", "n", "k", "cfg"),
+    [
+        (9, 24, 64, GemmConfig(16, 16, 32)),
+        (33, 20, 96, GemmConfig(16, 16, 32)),
+        (9, 24, 96, GemmConfig(16, 16, 32, 2)),
+    ],
+)
+def test_skinny_gemm_silu_matches_projection_then_silu_mul(m: int, n: int, k: int, cfg: GemmConfig) -> None:
     x, w = randn(m, k, seed=m), randn(2 * n, k, seed=n, scale=k**-0.5)
-    out = gemm_triton.skinny_gemm(x, w, GemmConfig(16, 16, 32), silu=True)
+    out = gemm_triton.skinny_gemm(x, w, cfg, silu=True)
     assert out.shape == (m, n)
     gate, up = F.linear(x, w).chunk(2, dim=-1)
     # silu(g) * u moves with g by at most |u| * max|silu'| (< 1.1) and with u by |silu(g)| (< |g| + 0.3).
     assert rel_err(out, F.silu(gate) * up) < 4 * reorder_bound(torch.float32, k)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = EPS) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+@cpu_interpreter
+@pytest.mark.parametrize("residual", [True, False], ids=["residual", "first-layer"])
+@pytest.mark.parametrize("silu", [False, True], ids=["linear", "silu"])
+@pytest.mark.parametrize("cfg", [GemmConfig(16, 16, 32), GemmConfig(16, 16, 32, 3)], ids=lambda c: c.key())
+def test_norm_fold_matches_the_norm_then_the_projection(residual: bool, silu: bool, cfg: GemmConfig) -> None:
+    """NORM: every program normalises its rows over all of K (whatever its split) and one writes x + residual."""
+    m, k, n = 7, 96, 40
+    x, nw = randn(m, k, seed=1), 1 + 0.1 * randn(k, seed=2)
+    r = randn(m, k, seed=3) if residual else None
+    w = randn(2 * n if silu else n, k, seed=4, scale=k**-0.5)
+    out, summed = gemm_triton.norm_skinny_gemm(x, r, nw, EPS, w, cfg, silu=silu)
+    s = x + r if r is not None else x
+    assert torch.equal(summed, s) and (r is not None or summed is x)
+    want = F.linear(rms_norm(s, nw), w)
+    if silu:
+        gate, up = want.chunk(2, dim=-1)
+        want = F.silu(gate) * up
+    assert rel_err(out, want) < 4 * reorder_bound(torch.float32, k)
+    assert counters_zero(x.device)
+
+
+def prep_case(m: int, qk_norm: bool, seed: int = 0) -> tuple[QkvPrep, QkvPrep, int]:
+    """Two QkvPrep of one batch (4 q / 2 kv heads of 16 dims, 24 cache slots) with separate zeroed caches: one for
+    the fused kernel, one for the reference; and the qkv width."""
+    heads, kv_heads, d, slots = 4, 2, 16, 24
+    angles = torch.arange(64)[:, None] * (1e4 ** (-torch.arange(d // 2) / (d // 2)))[None, :]
+    gen = torch.Generator().manual_seed(seed)
+    positions = torch.randint(0, 64, (m,), generator=gen)
+    loc = torch.randperm(slots, generator=gen)[:m]
+    qw, kw = (
+        (1 + 0.1 * randn(d, seed=seed + 1), 1 + 0.1 * randn(d, seed=seed + 2)) if qk_norm else (None, None)
+    )
+
+    def one() -> QkvPrep:
+        zeros = lambda: torch.zeros(slots, kv_heads, d)  # noqa: E731
+        return QkvPrep(
+            positions, loc, angles.cos(), angles.sin(), qw, kw, 1e-6, zeros(), zeros(), heads, kv_heads
+        )
+
+    return one(), one(), (heads + 2 * kv_heads) * d
+
+
+@cpu_interpreter
+@pytest.mark.parametrize("qk_norm", [True, False], ids=["qwen3", "llama"])
+@pytest.mark.parametrize("cfg", [GemmConfig(16, 8, 32), GemmConfig(16, 8, 32, 3)], ids=lambda c: c.key())
+def test_norm_qkv_prep_matches_the_norm_the_projection_and_qkv_prep(qk_norm: bool, cfg: GemmConfig) -> None:
+    """PREP: q, and k and v in their cache slots (and no other slot), as `qkv_prep` leaves them after the norm and
+    the projection; x + residual as the norm writes it."""
+    from kubesgl.kernels.qkv_prep_triton import qkv_prep
+
+    m, k = 7, 96
+    fused, ref, n = prep_case(m, qk_norm)
+    x, r, nw = randn(m, k, seed=5), randn(m, k, seed=6), 1 + 0.1 * randn(k, seed=7)
+    w = randn(n, k, seed=8, scale=k**-0.5)
+    q, summed = gemm_triton.norm_qkv_prep(x, r, nw, EPS, w, cfg, fused)
+    p = ref
+    want = qkv_prep(F.linear(rms_norm(x + r, nw), w), p.positions, p.out_loc, p.cos, p.sin, p.q_norm_weight,
+                    p.k_norm_weight, p.eps, p.k_cache, p.v_cache, p.num_q_heads, p.num_kv_heads)  # fmt: skip
+    assert torch.equal(summed, x + r) and q.shape == (m, 4 * 16)
+    bound = 8 * reorder_bound(torch.float32, k)  # the projection's sums, then the norm and RoPE's few ops
+    assert rel_err(q, want.view(m, -1)) < bound
+    assert rel_err(fused.k_cache, ref.k_cache) < bound and rel_err(fused.v_cache, ref.v_cache) < bound
+    untouched = torch.ones(24, dtype=torch.bool)
+    untouched[ref.out_loc] = False
+    assert not fused.k_cache[untouched].any() and not fused.v_cache[untouched].any()
+    assert counters_zero(x.device)
+
+
+def test_norm_qkv_prep_refuses_a_tile_that_is_not_half_a_head_and_a_width_that_is_not_the_heads() -> None:
+    fused, _, n = prep_case(5, True)
+    x, nw = torch.zeros(5, 32), torch.ones(32)
+    with pytest.raises(ValueError, match="block_n must be head_dim / 2 = 8"):
+        gemm_triton.norm_qkv_prep(x, None, nw, EPS, torch.zeros(n, 32), GemmConfig(16, 16, 16), fused)
+    with pytest.raises(ValueError, match=r"qkv width 112 is not \(4 \+ 2 \* 2\) \* 16"):
+        gemm_triton.norm_qkv_prep(x, None, nw, EPS, torch.zeros(112, 32), GemmConfig(16, 8, 16), fused)
+    with pytest.raises(ValueError, match="norm: residual"):
+        gemm_triton.norm_qkv_prep(
+            x, torch.zeros(5, 16), nw, EPS, torch.zeros(n, 32), GemmConfig(16, 8, 16), fused
+        )
+
+
+@cpu_interpreter
+def test_the_folds_stay_off_on_cpu_so_the_decoder_runs_its_separate_kernels(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    path = tmp_path / "table.json"
+    path.write_text(
+        json.dumps({"configs": {"128,32,norm_prep,8": "m16n8k16s1w4p3", "8,32,norm,8": "m16n8k16s1w4p3"}})
+    )
+    monkeypatch.setenv("KUBESGL_SKINNY_CONFIGS", str(path))
+    fused, _, n = prep_case(8, True)
+    x, nw = randn(8, 32, seed=1).bfloat16(), torch.ones(32, dtype=torch.bfloat16)
+    assert (
+        norm_qkv_prep(x, None, nw, EPS, torch.zeros(n, 32, dtype=torch.bfloat16), None, lambda: fused) is None
+    )
+    assert norm_linear(x, None, nw, EPS, torch.zeros(8, 32, dtype=torch.bfloat16)) is None
+
+
 def test_skinny_gemm_refuses_what_it_cannot_run() -> None:
     x, w = torch.zeros(8, 64), torch.zeros(32, 64)
     with pytest.raises(ValueError, match=r"x \(8, 64\) and w \(32, 48\)"):
         gemm_triton.skinny_gemm(x, torch.zeros(32, 48), GemmConfig(16, 16, 16))
-    with pytest.raises(ValueError, match="split_k 1"):
-        gemm_triton.skinny_gemm(x, w, GemmConfig(16, 16, 16, 2), silu=True)
+    with pytest.raises(ValueError, match="even row count"):
+        gemm_triton.skinny_gemm(x, torch.zeros(31, 64), GemmConfig(16, 16, 16), silu=True)
     with pytest.raises(ValueError, match="one dtype"):
         gemm_triton.skinny_gemm(x.double(), w, GemmConfig(16, 16, 16))
 
@@ -108,12 +226,23 @@ def test_rows_bucket_is_the_power_of_two_at_or_above_at_least_8() -> None:
 def test_a_sweeps_table_is_read_by_shape_and_bucket(tmp_path: Path) -> None:
     path = tmp_path / "table.json"
     path.write_text(
-        json.dumps({"configs": {"4096,1024,0,64": "m64n64k128s1w4p3", "3072,1024,1,8": "m16n32k64s1w4p4"}})
+        json.dumps(
+            {
+                "configs": {
+                    "4096,1024,0,64": "m64n64k128s1w4p3",  # the fifteenth session's 0 / 1 for linear / silu
+                    "3072,1024,1,8": "m16n32k64s1w4p4",
+                    "4096,1024,norm_prep,16": "m16n64k128s4w4p3",
+                    "3072,1024,norm_silu,256": "m64n64k64s1w4p4",
+                }
+            }
+        )
     )
     table = gemv_module._table_from(str(path))
     assert table == {
-        (4096, 1024, False, 64): GemmConfig(64, 64, 128, 1, 4, 3),
-        (3072, 1024, True, 8): GemmConfig(16, 32, 64, 1, 4, 4),
+        (4096, 1024, "linear", 64): GemmConfig(64, 64, 128, 1, 4, 3),
+        (3072, 1024, "silu", 8): GemmConfig(16, 32, 64, 1, 4, 4),
+        (4096, 1024, "norm_prep", 16): GemmConfig(16, 64, 128, 4, 4, 3),
+        (3072, 1024, "norm_silu", 256): GemmConfig(64, 64, 64, 1, 4, 4),
     }
 
 
@@ -245,7 +374,9 @@ def test_gpu_linear_takes_the_tables_config_and_agrees_with_cublas(
 ) -> None:
     path = tmp_path / "table.json"
     path.write_text(
-        json.dumps({"configs": {"1024,2048,0,64": "m64n64k128s4w4p3", "3072,1024,1,64": "m64n32k128s1w4p3"}})
+        json.dumps(
+            {"configs": {"1024,2048,linear,64": "m64n64k128s4w4p3", "3072,1024,silu,64": "m64n32k128s1w4p3"}}
+        )
     )
     monkeypatch.setenv("KUBESGL_SKINNY_CONFIGS", str(path))
     x = randn(60, 2048, seed=1).to("cuda", torch.bfloat16)
@@ -267,20 +398,122 @@ def test_gpu_linear_takes_the_tables_config_and_agrees_with_cublas(
     torch.testing.assert_close(linear(x, w), F.linear(x, w), rtol=0, atol=0)
 
 
+def gpu_prep(m: int, seed: int = 0) -> QkvPrep:
+    """Qwen3-0.6B's prep on the device: 16 q / 8 kv heads of 128, seeded positions, one cache slot per row."""
+    gen = torch.Generator().manual_seed(seed)
+    inv = 1e6 ** (-torch.arange(64, dtype=torch.float32) / 64)
+    angles = (torch.arange(4096, dtype=torch.float32)[:, None] * inv[None, :]).cuda()
+    slots = m + 8
+    norm_w = lambda s: (1 + 0.1 * randn(128, seed=s)).to("cuda", torch.bfloat16)  # noqa: E731
+    zeros = lambda: torch.zeros(slots, 8, 128, device="cuda", dtype=torch.bfloat16)  # noqa: E731
+    return QkvPrep(
+        torch.randint(0, 4096, (m,), generator=gen).cuda(),
+        torch.randperm(slots, generator=gen)[:m].cuda(),
+        angles.cos(),
+        angles.sin(),
+        norm_w(seed + 1),
+        norm_w(seed + 2),
+        1e-6,
+        zeros(),
+        zeros(),
+        16,
+        8,
+    )
+
+
+def unfused_prep(
+    x: torch.Tensor, r: torch.Tensor, nw: torch.Tensor, w: torch.Tensor, p: QkvPrep
+) -> torch.Tensor:
+    """What the decoder runs without the fold: the norm kernel, the qkv projection (cuBLAS), qkv_prep."""
+    from kubesgl.kernels.norm import fused_add_rms_norm
+    from kubesgl.kernels.qkv_prep_triton import qkv_prep
+
+    normed, _ = fused_add_rms_norm(x, r, nw, EPS)
+    return qkv_prep(F.linear(normed, w), p.positions, p.out_loc, p.cos, p.sin, p.q_norm_weight, p.k_norm_weight,
+                    p.eps, p.k_cache, p.v_cache, p.num_q_heads, p.num_kv_heads).view(x.shape[0], -1)  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("m", [5, 16, 64, 256])
+@pytest.mark.parametrize(
+    "cfg",
+    [GemmConfig(16, 64, 128, 4), GemmConfig(64, 64, 64, 1, 4, 4), GemmConfig(64, 64, 128, 2)],
+    ids=lambda c: c.key(),
+)
+def test_gpu_norm_qkv_prep_matches_the_norm_cublas_and_qkv_prep(m: int, cfg: GemmConfig) -> None:
+    """At Qwen3-0.6B's shapes in bf16, replayed in a CUDA graph behind the kernel that writes x: q and the cache
+    slots agree with the three kernels it replaces, to a bf16 step (the projection's sums in another order can put
+    a value across a rounding boundary, which the norm and RoPE carry)."""
+    fused, ref = gpu_prep(m), gpu_prep(m)
+    src = randn(m, 1024, seed=m).to("cuda", torch.bfloat16)
+    r = randn(m, 1024, seed=m + 1).to("cuda", torch.bfloat16)
+    nw = (1 + 0.1 * randn(1024, seed=3)).to("cuda", torch.bfloat16)
+    w = randn(4096, 1024, seed=4, scale=1024**-0.5).to("cuda", torch.bfloat16)
+    x = torch.empty_like(src)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        torch.mul(src, 1, out=x)
+        gemm_triton.norm_qkv_prep(x, r, nw, EPS, w, cfg, fused)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        torch.mul(src, 2, out=x)
+        q, summed = gemm_triton.norm_qkv_prep(x, r, nw, EPS, w, cfg, fused)
+    graph.replay()
+    torch.cuda.synchronize()
+    want = unfused_prep(2 * src, r, nw, w, ref)
+    bound = 4 * unit_roundoff(torch.bfloat16)
+    assert torch.equal(summed, 2 * src + r)
+    assert rel_err(q, want) < bound
+    assert rel_err(fused.k_cache, ref.k_cache) < bound and rel_err(fused.v_cache, ref.v_cache) < bound
+    assert counters_zero(x.device)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("m", [8, 100, 256])
+@pytest.mark.parametrize(
+    "cfg", [GemmConfig(16, 64, 128, 2), GemmConfig(64, 64, 64, 1, 4, 4)], ids=lambda c: c.key()
+)
+def test_gpu_norm_silu_matches_the_norm_and_the_two_kernels(m: int, cfg: GemmConfig) -> None:
+    from kubesgl.kernels.activation_triton import silu_and_mul
+    from kubesgl.kernels.norm import fused_add_rms_norm
+
+    x = randn(m, 1024, seed=m).to("cuda", torch.bfloat16)
+    r = randn(m, 1024, seed=m + 1).to("cuda", torch.bfloat16)
+    nw = (1 + 0.1 * randn(1024, seed=3)).to("cuda", torch.bfloat16)
+    w = randn(6144, 1024, seed=5, scale=1024**-0.5).to("cuda", torch.bfloat16)
+    out, summed = gemm_triton.norm_skinny_gemm(x, r, nw, EPS, w, cfg, silu=True)
+    normed, want_sum = fused_add_rms_norm(x, r, nw, EPS)
+    assert torch.equal(summed, want_sum)
+    assert rel_err(out, silu_and_mul(F.linear(normed, w))) < 4 * unit_roundoff(torch.bfloat16)
+    assert counters_zero(x.device)
+
+
 def test_the_built_in_table_names_configs_the_kernel_can_launch() -> None:
-    """Every entry parses, a SiLU-folded one has no K split, and split-K's output tiles fit the counters."""
+    """Every entry parses and names an op, a qkv-prep one tiles half a head, and split-K's output tiles fit the
+    counters."""
     table = gemv_module._table_from(None)
     assert len(table) == len(gemv_module.SKINNY_TABLE) > 0
-    for (n, k, silu, bucket), cfg in table.items():
+    for (n, k, op, bucket), cfg in table.items():
         assert bucket == rows_bucket(bucket) and 8 <= bucket <= SKINNY_MAX_ROWS
-        assert not silu or cfg.split_k == 1
+        assert op in gemv_module.SKINNY_OPS
+        assert op != "norm_prep" or cfg.block_n == 64  # Qwen3's head_dim / 2
         assert k // cfg.split_k >= cfg.block_k, (n, k, cfg)
         tiles = -(-bucket // cfg.block_m) * -(-n // cfg.block_n)
         assert tiles <= gemm_triton.MAX_TILES
 
 
 @pytest.mark.parametrize(
-    "text", [None, "{}", '{"configs": {"1,2": "m16n16k16s1w4p3"}}', '{"configs": {"1,2,0,8": "x"}}']
+    "text",
+    [
+        None,
+        "{}",
+        '{"configs": {"1,2": "m16n16k16s1w4p3"}}',
+        '{"configs": {"1,2,0,8": "x"}}',
+        '{"configs": {"1,2,gelu,8": "m16n16k16s1w4p3"}}',
+    ],
 )
 def test_a_table_that_is_missing_or_malformed_is_refused_by_name(tmp_path: Path, text: str | None) -> None:
     path = tmp_path / "table.json"
