@@ -349,6 +349,27 @@ case "$mode" in
       grep "^== bs" "$OUT/trace_skinny$on.txt" | sed "s/^/skinny $on: /"
     done
     ;;
+  fold25)  # issue 25, sixteenth session: the mid-batch GEMM's norm and qkv-prep folds. Mini-SGLang's kernels warm in
+           # the background meanwhile (CPU-bound); the folds' GPU tests, the sweep (-> $OUT/skinny_table.json), the
+           # offline benchmark with the built-in table and with the sweep's (step profiles), then Mini-SGLang timed
+    bash benchmark/peers.sh warm > "$OUT/peers_warm.txt" 2>&1 &
+    warm_pid=$!
+    timeout 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/kernels/test_skinny_gemm.py -k norm 2>&1 \
+      | tail -3 | tee "$OUT/gpu_tests_fold.txt"
+    timeout 80 python3 -m pytest -q -p no:cacheprovider tests/unit/engine/test_gpu_parity.py -k mid_batch 2>&1 \
+      | tail -3 | tee -a "$OUT/gpu_tests_fold.txt"
+    timeout "${SWEEP_TIMEOUT:-230}" python3 benchmark/skinny_sweep.py --json "$OUT/skinny.jsonl" \
+      --table "$OUT/skinny_table.json" 2>&1 | grep -v Warn | tail -50 > "$OUT/skinny.txt"
+    tail -48 "$OUT/skinny.txt"
+    for t in builtin sweep; do
+      cfgs=""; [ $t = sweep ] && cfgs="$OUT/skinny_table.json"
+      env KUBESGL_SKINNY_CONFIGS="$cfgs" KUBESGL_STEP_PROFILE=1 timeout 75 $B --model Qwen3-0.6B 2>&1 | tail -14 \
+        > "$OUT/p_$t.txt"
+      echo "$t: $(grep -o '"output_tok_s": [0-9.]*' "$OUT/p_$t.txt")"
+    done
+    wait $warm_pid
+    PEER_TIMEOUT=150 bash benchmark/peers.sh run
+    ;;
   overlap25)  # issue 25's next lever, probed before it is built: a decode step's attention + projections for the whole
               # batch against two half-batches on two streams in one graph (benchmark/overlap_probe.py), 256 and 128 rows
     for bs in 256 128; do

