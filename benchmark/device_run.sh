@@ -358,9 +358,10 @@ case "$mode" in
       | tail -3 | tee "$OUT/gpu_tests_fold.txt"
     timeout 80 python3 -m pytest -q -p no:cacheprovider tests/unit/engine/test_gpu_parity.py -k mid_batch 2>&1 \
       | tail -3 | tee -a "$OUT/gpu_tests_fold.txt"
-    timeout "${SWEEP_TIMEOUT:-230}" python3 benchmark/skinny_sweep.py --json "$OUT/skinny.jsonl" \
-      --table "$OUT/skinny_table.json" 2>&1 | grep -v Warn | tail -50 > "$OUT/skinny.txt"
-    tail -48 "$OUT/skinny.txt"
+    timeout "${SWEEP_TIMEOUT:-200}" python3 benchmark/skinny_sweep.py --json "$OUT/skinny.jsonl" \
+      --table "$OUT/skinny_table.json" --ops "${SWEEP_OPS:-norm_silu,norm_prep}" 2>&1 | grep -v Warn | tail -50 \
+      > "$OUT/skinny.txt"
+    tail -24 "$OUT/skinny.txt"
     for t in builtin sweep; do
       cfgs=""; [ $t = sweep ] && cfgs="$OUT/skinny_table.json"
       env KUBESGL_SKINNY_CONFIGS="$cfgs" KUBESGL_STEP_PROFILE=1 timeout 75 $B --model Qwen3-0.6B 2>&1 | tail -14 \

@@ -74,7 +74,13 @@ def main() -> int:
     p.add_argument("--json", default=None, help="append every timed row here")
     p.add_argument("--table", required=True, help="write the winning configs here (KUBESGL_SKINNY_CONFIGS)")
     p.add_argument("--rows", default=",".join(map(str, ROWS)))
+    p.add_argument(
+        "--ops",
+        default=None,
+        help="sweep only these ops (comma-separated); the others keep the built-in table's",
+    )
     args = p.parse_args()
+    ops = set(args.ops.split(",")) if args.ops else {op for _, op in CASES}
     if not torch.cuda.is_available():
         print("skinny_sweep needs a CUDA device", file=sys.stderr)
         return 2
@@ -97,7 +103,10 @@ def main() -> int:
         for _ in range(8)
     ]
     nw = 1 + 0.1 * rand(1024)
-    table: dict[str, str] = {}
+    # The ops not swept keep the built-in table's entries, so the table written stands for all of them.
+    table = {
+        f"{n},{k},{op},{b}": key for (n, k, op, b), key in gemv_module.SKINNY_TABLE.items() if op not in ops
+    }
 
     def write_table() -> None:
         with open(args.table, "w") as f:
@@ -135,6 +144,8 @@ def main() -> int:
     best_rows = []
     for m in (int(v) for v in args.rows.split(",")):
         for name, op in CASES:
+            if op not in ops:
+                continue
             if op.startswith("norm"):  # the unfused baseline takes the table the plain cases just wrote
                 write_table()
                 os.environ["KUBESGL_SKINNY_CONFIGS"] = os.path.abspath(args.table)
