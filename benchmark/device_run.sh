@@ -358,8 +358,9 @@ case "$mode" in
       | tail -3 | tee "$OUT/gpu_tests_fold.txt"
     timeout 80 python3 -m pytest -q -p no:cacheprovider tests/unit/engine/test_gpu_parity.py -k mid_batch 2>&1 \
       | tail -3 | tee -a "$OUT/gpu_tests_fold.txt"
-    timeout "${SWEEP_TIMEOUT:-200}" python3 benchmark/skinny_sweep.py --json "$OUT/skinny.jsonl" \
-      --table "$OUT/skinny_table.json" --ops "${SWEEP_OPS:-norm_silu,norm_prep}" 2>&1 | grep -v Warn | tail -50 \
+    timeout "${SWEEP_TIMEOUT:-170}" python3 benchmark/skinny_sweep.py --json "$OUT/skinny.jsonl" \
+      --table "$OUT/skinny_table.json" --ops "${SWEEP_OPS:-norm_silu,norm_prep}" \
+      --block-n 32,64 --block-k 128 --max-block-m 64 2>&1 | grep -v Warn | tail -50 \
       > "$OUT/skinny.txt"
     tail -24 "$OUT/skinny.txt"
     for t in builtin sweep; do

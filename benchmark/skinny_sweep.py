@@ -46,18 +46,26 @@ MAX_REL_ERR = 0.01  # bf16 rounding of the output (2^-8 relative) with margin; a
 HEAD_HALF = 64  # Qwen3's head_dim / 2: the PREP epilogue's block_n
 
 
-def candidates(m: int, n: int, k: int, sms: int, block_ns: tuple[int, ...] = (32, 64, 128)) -> list[Any]:
-    """Configs worth timing: a rows tile that covers the batch (64 or 128 above 64 rows), output tiles of
-    `block_ns` weight rows (n / block_n tiles across), K steps of 64 or 128, and K splits only where the output
-    tiles alone leave multiprocessors idle."""
+def candidates(
+    m: int,
+    n: int,
+    k: int,
+    sms: int,
+    block_ns: tuple[int, ...] = (32, 64, 128),
+    block_ks: tuple[int, ...] = (64, 128),
+    max_block_m: int = 128,
+) -> list[Any]:
+    """Configs worth timing: a rows tile that covers the batch (64 or 128 above 64 rows, at most `max_block_m`),
+    output tiles of `block_ns` weight rows (n / block_n tiles across), K steps of `block_ks`, and K splits only
+    where the output tiles alone leave multiprocessors idle."""
     from kubesgl.kernels.gemm_config import GemmConfig
 
     pow2 = 1 << (m - 1).bit_length()
-    block_ms = [max(16, pow2)] if m <= 64 else [64, 128]
+    block_ms = [max(16, pow2)] if m <= 64 else [bm for bm in (64, 128) if bm <= max(64, max_block_m)]
     out = []
     for bm in block_ms:
         for bn in block_ns:
-            for bk in (64, 128):
+            for bk in block_ks:
                 tiles = -(-m // bm) * -(-n // bn)
                 for split in (1, 2, 4, 8):
                     if split > 1 and (tiles >= 2 * sms or tiles * split > 4 * sms or k // split < bk):
@@ -80,7 +88,15 @@ def main() -> int:
         help="sweep only these ops (comma-separated); the others keep the built-in table's",
     )
     args = p.parse_args()
+    p.add_argument(
+        "--block-n", default="32,64,128", help="output tiles to try (the qkv prep's is head_dim / 2)"
+    )
+    p.add_argument("--block-k", default="64,128", help="K steps to try")
+    p.add_argument("--max-block-m", type=int, default=128, help="largest rows tile to try above 64 rows")
+    args = p.parse_args()
     ops = set(args.ops.split(",")) if args.ops else {op for _, op in CASES}
+    block_ns = tuple(int(v) for v in args.block_n.split(","))
+    block_ks = tuple(int(v) for v in args.block_k.split(","))
     if not torch.cuda.is_available():
         print("skinny_sweep needs a CUDA device", file=sys.stderr)
         return 2
@@ -162,9 +178,9 @@ def main() -> int:
             best: tuple[float, str] | None = None
             out_n = n // 2 if op.endswith("silu") else n
             if op == "norm_prep":
-                cands = candidates(m, out_n // 2, k, sms, (HEAD_HALF,))
+                cands = candidates(m, out_n // 2, k, sms, (HEAD_HALF,), block_ks, args.max_block_m)
             else:
-                cands = candidates(m, out_n, k, sms)
+                cands = candidates(m, out_n, k, sms, block_ns, block_ks, args.max_block_m)
             for cfg in cands:
                 run = fused(name, op, x, r, prep, cfg)
                 try:
