@@ -119,10 +119,11 @@ def layer_step(
     projection (cuBLAS by default); `fold_silu` takes the engine's folds around gate_up where they apply (the
     residual norm and SiLU·mul in one kernel: kernels.gemv.norm_linear, else gate_up_silu); `prep`, a
     kernels.gemm_config.QkvPrep, adds the q/k norm, RoPE and KV store after qkv (kernels.gemv.norm_qkv_prep's one
-    kernel where its table has it, else the norm, `lin` and qkv_prep); `attend`, if given, runs between qkv and o,
+    kernel where its table has it, else the norm and qkv_linear_prep's one kernel, else the norm, `lin` and
+    qkv_prep); `attend`, if given, runs between qkv and o,
     and `attn_out` stands in for its output."""
     from kubesgl.kernels.activation import silu_and_mul
-    from kubesgl.kernels.gemv import gate_up_silu, norm_linear, norm_qkv_prep
+    from kubesgl.kernels.gemv import gate_up_silu, norm_linear, norm_qkv_prep, qkv_linear_prep
     from kubesgl.kernels.norm import fused_add_rms_norm
     from kubesgl.kernels.qkv_prep_triton import qkv_prep
 
@@ -131,17 +132,18 @@ def layer_step(
         r = fused[1]
     else:
         normed, r = fused_add_rms_norm(h, r, nw, EPS)
-        qkv = lin(normed, w["qkv"])
-        if prep is not None:
+        q = qkv_linear_prep(normed, w["qkv"], None, lambda: prep) if prep is not None else None
+        qkv = lin(normed, w["qkv"]) if q is None else None
+        if qkv is not None and prep is not None:
             p = prep
             qkv_prep(qkv, p.positions, p.out_loc, p.cos, p.sin, p.q_norm_weight, p.k_norm_weight, p.eps,
                      p.k_cache, p.v_cache, p.num_q_heads, p.num_kv_heads)  # fmt: skip
     if attend is not None:
         attend()
     o = lin(attn_out, w["o"])
-    fused = norm_linear(o, r, nw, EPS, w["gate_up"], silu=True) if fold_silu else None
-    if fused is not None:
-        act, r = fused
+    mlp_in = norm_linear(o, r, nw, EPS, w["gate_up"], silu=True) if fold_silu else None
+    if mlp_in is not None:
+        act, r = mlp_in
     else:
         normed, r = fused_add_rms_norm(o, r, nw, EPS)
         act = gate_up_silu(normed, w["gate_up"]) if fold_silu else None

@@ -39,6 +39,7 @@ CASES = (
     ("gate_up", "silu"),
     ("down", "linear"),
     ("gate_up", "norm_silu"),
+    ("qkv", "prep"),
     ("qkv", "norm_prep"),
 )
 WIN = 0.97  # a config enters the table only if it takes at most this share of the unfused kernels' time
@@ -87,7 +88,6 @@ def main() -> int:
         default=None,
         help="sweep only these ops (comma-separated); the others keep the built-in table's",
     )
-    args = p.parse_args()
     p.add_argument(
         "--block-n", default="32,64,128", help="output tiles to try (the qkv prep's is head_dim / 2)"
     )
@@ -137,13 +137,14 @@ def main() -> int:
                 return F.linear(x, w[name])
             if op == "silu":
                 return silu_and_mul(F.linear(x, w[name]))
-            normed, _ = fused_add_rms_norm(x, r, nw, EPS)
+            normed = x if op == "prep" else fused_add_rms_norm(x, r, nw, EPS)[0]
             if op == "norm_silu":
                 act = gate_up_silu(normed, w[name])
                 return act if act is not None else silu_and_mul(linear(normed, w[name]))
             p = prep
             return qkv_prep(linear(normed, w[name]), p.positions, p.out_loc, p.cos, p.sin, p.q_norm_weight,
-                            p.k_norm_weight, p.eps, p.k_cache, p.v_cache, p.num_q_heads, p.num_kv_heads)  # fmt: skip
+                            p.k_norm_weight, p.eps, p.k_cache, p.v_cache, p.num_q_heads,
+                            p.num_kv_heads).view(x.shape[0], -1)  # fmt: skip
 
         return one
 
@@ -153,6 +154,8 @@ def main() -> int:
                 return gemm_triton.skinny_gemm(x, w[name], cfg, silu=op == "silu")
             if op == "norm_silu":
                 return gemm_triton.norm_skinny_gemm(x, r, nw, EPS, w[name], cfg, silu=True)[0]
+            if op == "prep":
+                return gemm_triton.qkv_prep_gemm(x, w[name], cfg, prep)
             return gemm_triton.norm_qkv_prep(x, r, nw, EPS, w[name], cfg, prep)[0]
 
         return one
@@ -162,12 +165,12 @@ def main() -> int:
         for name, op in CASES:
             if op not in ops:
                 continue
-            if op.startswith("norm"):  # the unfused baseline takes the table the plain cases just wrote
+            if op.startswith("norm") or op == "prep":  # the unfused baseline takes the table so far
                 write_table()
                 os.environ["KUBESGL_SKINNY_CONFIGS"] = os.path.abspath(args.table)
             n, k = SHAPES[name]
             x, r = rand(m, k), rand(m, k)
-            prep = qkv_prep_args(m) if op == "norm_prep" else None
+            prep = qkv_prep_args(m) if op.endswith("prep") else None
             base = unfused(name, op, x, r, prep)
             ref = base(ws[0]).float()
             us_base = graph_seconds(lambda base=base: [base(w) for w in ws], len(ws)) * 1e6
@@ -177,7 +180,7 @@ def main() -> int:
             )
             best: tuple[float, str] | None = None
             out_n = n // 2 if op.endswith("silu") else n
-            if op == "norm_prep":
+            if op.endswith("prep"):
                 cands = candidates(m, out_n // 2, k, sms, (HEAD_HALF,), block_ks, args.max_block_m)
             else:
                 cands = candidates(m, out_n, k, sms, block_ns, block_ks, args.max_block_m)

@@ -341,6 +341,14 @@ def norm_qkv_prep(
     return out, summed if summed is not None else x
 
 
+def qkv_prep_gemm(
+    x: torch.Tensor, w: torch.Tensor, cfg: GemmConfig, prep: QkvPrep, q_out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The fused qkv projection of an already normalised x and `qkv_prep` in one kernel: q [M, q_heads * D]; k and v
+    land in their cache slots."""
+    return _launch(x, w, cfg, prep=prep, out=q_out)[0]
+
+
 def _launch(
     x: torch.Tensor,
     w: torch.Tensor,

@@ -39,9 +39,10 @@ SKINNY_MAX_ROWS = 256
 SKINNY_DTYPES = (torch.bfloat16, torch.float16)  # float32 would run tl.dot in TF32, which F.linear does not
 
 # What one launch of the mid-batch GEMM does (`gemm_triton`): the projection alone, with the SiLU·mul of [gate; up]
-# folded in, behind its RMSNorm (and residual add), both, or the input norm + qkv projection + q/k norm, RoPE and
-# KV store (the whole stretch from a layer's input to its attention). N is the output width (gate_up's half).
-SKINNY_OPS = ("linear", "silu", "norm", "norm_silu", "norm_prep")
+# folded in, behind its RMSNorm (and residual add), both, the qkv projection + q/k norm, RoPE and KV store (prep),
+# or that behind the input norm too (the whole stretch from a layer's input to its attention). N is the output
+# width (gate_up's half).
+SKINNY_OPS = ("linear", "silu", "norm", "norm_silu", "prep", "norm_prep")
 _LEGACY_OPS = {"0": "linear", "1": "silu"}  # the fifteenth session's tables: "n,k,silu,bucket"
 
 # Mid-batch GEMM configs (N, K, op, rows bucket) -> config, only where the kernel beat cuBLAS by >= 3 % at that
@@ -212,6 +213,18 @@ def norm_qkv_prep(
     from kubesgl.kernels import gemm_triton
 
     return gemm_triton.norm_qkv_prep(x, residual, norm_weight, eps, weight, cfg, prep())
+
+
+def qkv_linear_prep(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prep: Callable[[], QkvPrep]
+) -> torch.Tensor | None:
+    """The fused qkv projection of a normalised x and its q/k norms, RoPE and K/V store as one mid-batch GEMM, where
+    its table has the "prep" op and there is no bias: q [M, q_heads * D]; None otherwise."""
+    if bias is not None or x.dim() != 2 or (cfg := skinny_config(x, weight, op="prep")) is None:
+        return None
+    from kubesgl.kernels import gemm_triton
+
+    return gemm_triton.qkv_prep_gemm(x, weight, cfg, prep())
 
 
 def _norm_fold_applies(

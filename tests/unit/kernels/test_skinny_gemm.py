@@ -22,6 +22,7 @@ from kubesgl.kernels.gemv import (
     linear,
     norm_linear,
     norm_qkv_prep,
+    qkv_linear_prep,
     rows_bucket,
     skinny_config,
 )
@@ -138,21 +139,29 @@ def prep_case(m: int, qk_norm: bool, seed: int = 0) -> tuple[QkvPrep, QkvPrep, i
 
 @cpu_interpreter
 @pytest.mark.parametrize("qk_norm", [True, False], ids=["qwen3", "llama"])
+@pytest.mark.parametrize("norm", [True, False], ids=["norm_prep", "prep"])
 @pytest.mark.parametrize("cfg", [GemmConfig(16, 8, 32), GemmConfig(16, 8, 32, 3)], ids=lambda c: c.key())
-def test_norm_qkv_prep_matches_the_norm_the_projection_and_qkv_prep(qk_norm: bool, cfg: GemmConfig) -> None:
-    """PREP: q, and k and v in their cache slots (and no other slot), as `qkv_prep` leaves them after the norm and
-    the projection; x + residual as the norm writes it."""
+def test_qkv_prep_epilogue_matches_the_projection_and_qkv_prep(
+    qk_norm: bool, norm: bool, cfg: GemmConfig
+) -> None:
+    """PREP (behind the input norm, or on an x already normalised): q, and k and v in their cache slots (and no
+    other slot), as `qkv_prep` leaves them after the norm and the projection; x + residual as the norm writes it."""
     from kubesgl.kernels.qkv_prep_triton import qkv_prep
 
     m, k = 7, 96
     fused, ref, n = prep_case(m, qk_norm)
     x, r, nw = randn(m, k, seed=5), randn(m, k, seed=6), 1 + 0.1 * randn(k, seed=7)
     w = randn(n, k, seed=8, scale=k**-0.5)
-    q, summed = gemm_triton.norm_qkv_prep(x, r, nw, EPS, w, cfg, fused)
+    if norm:
+        q, summed = gemm_triton.norm_qkv_prep(x, r, nw, EPS, w, cfg, fused)
+        assert torch.equal(summed, x + r)
+        normed = rms_norm(x + r, nw)
+    else:
+        q, normed = gemm_triton.qkv_prep_gemm(x, w, cfg, fused), x
     p = ref
-    want = qkv_prep(F.linear(rms_norm(x + r, nw), w), p.positions, p.out_loc, p.cos, p.sin, p.q_norm_weight,
+    want = qkv_prep(F.linear(normed, w), p.positions, p.out_loc, p.cos, p.sin, p.q_norm_weight,
                     p.k_norm_weight, p.eps, p.k_cache, p.v_cache, p.num_q_heads, p.num_kv_heads)  # fmt: skip
-    assert torch.equal(summed, x + r) and q.shape == (m, 4 * 16)
+    assert q.shape == (m, 4 * 16)
     bound = 8 * reorder_bound(torch.float32, k)  # the projection's sums, then the norm and RoPE's few ops
     assert rel_err(q, want.view(m, -1)) < bound
     assert rel_err(fused.k_cache, ref.k_cache) < bound and rel_err(fused.v_cache, ref.v_cache) < bound
@@ -181,14 +190,22 @@ def test_the_folds_stay_off_on_cpu_so_the_decoder_runs_its_separate_kernels(
 ) -> None:
     path = tmp_path / "table.json"
     path.write_text(
-        json.dumps({"configs": {"128,32,norm_prep,8": "m16n8k16s1w4p3", "8,32,norm,8": "m16n8k16s1w4p3"}})
+        json.dumps(
+            {
+                "configs": {
+                    "128,32,norm_prep,8": "m16n8k16s1w4p3",
+                    "128,32,prep,8": "m16n8k16s1w4p3",
+                    "8,32,norm,8": "m16n8k16s1w4p3",
+                }
+            }
+        )
     )
     monkeypatch.setenv("KUBESGL_SKINNY_CONFIGS", str(path))
     fused, _, n = prep_case(8, True)
     x, nw = randn(8, 32, seed=1).bfloat16(), torch.ones(32, dtype=torch.bfloat16)
-    assert (
-        norm_qkv_prep(x, None, nw, EPS, torch.zeros(n, 32, dtype=torch.bfloat16), None, lambda: fused) is None
-    )
+    w = torch.zeros(n, 32, dtype=torch.bfloat16)
+    assert norm_qkv_prep(x, None, nw, EPS, w, None, lambda: fused) is None
+    assert qkv_linear_prep(x, w, None, lambda: fused) is None
     assert norm_linear(x, None, nw, EPS, torch.zeros(8, 32, dtype=torch.bfloat16)) is None
 
 
@@ -422,13 +439,14 @@ def gpu_prep(m: int, seed: int = 0) -> QkvPrep:
 
 
 def unfused_prep(
-    x: torch.Tensor, r: torch.Tensor, nw: torch.Tensor, w: torch.Tensor, p: QkvPrep
+    x: torch.Tensor, r: torch.Tensor | None, nw: torch.Tensor, w: torch.Tensor, p: QkvPrep
 ) -> torch.Tensor:
-    """What the decoder runs without the fold: the norm kernel, the qkv projection (cuBLAS), qkv_prep."""
+    """What the decoder runs without the fold: the norm kernel (with a residual r; none: x is already the norm's
+    output), the qkv projection (cuBLAS), qkv_prep."""
     from kubesgl.kernels.norm import fused_add_rms_norm
     from kubesgl.kernels.qkv_prep_triton import qkv_prep
 
-    normed, _ = fused_add_rms_norm(x, r, nw, EPS)
+    normed = fused_add_rms_norm(x, r, nw, EPS)[0] if r is not None else x
     return qkv_prep(F.linear(normed, w), p.positions, p.out_loc, p.cos, p.sin, p.q_norm_weight, p.k_norm_weight,
                     p.eps, p.k_cache, p.v_cache, p.num_q_heads, p.num_kv_heads).view(x.shape[0], -1)  # fmt: skip
 
@@ -441,7 +459,8 @@ def unfused_prep(
     [GemmConfig(16, 64, 128, 4), GemmConfig(64, 64, 64, 1, 4, 4), GemmConfig(64, 64, 128, 2)],
     ids=lambda c: c.key(),
 )
-def test_gpu_norm_qkv_prep_matches_the_norm_cublas_and_qkv_prep(m: int, cfg: GemmConfig) -> None:
+@pytest.mark.parametrize("norm", [True, False], ids=["norm_prep", "prep"])
+def test_gpu_norm_qkv_prep_matches_the_norm_cublas_and_qkv_prep(m: int, cfg: GemmConfig, norm: bool) -> None:
     """At Qwen3-0.6B's shapes in bf16, replayed in a CUDA graph behind the kernel that writes x: q and the cache
     slots agree with the three kernels it replaces, to a bf16 step (the projection's sums in another order can put
     a value across a rounding boundary, which the norm and RoPE carry)."""
@@ -451,20 +470,26 @@ def test_gpu_norm_qkv_prep_matches_the_norm_cublas_and_qkv_prep(m: int, cfg: Gem
     nw = (1 + 0.1 * randn(1024, seed=3)).to("cuda", torch.bfloat16)
     w = randn(4096, 1024, seed=4, scale=1024**-0.5).to("cuda", torch.bfloat16)
     x = torch.empty_like(src)
+
+    def launch() -> tuple[torch.Tensor, torch.Tensor | None]:
+        if norm:
+            return gemm_triton.norm_qkv_prep(x, r, nw, EPS, w, cfg, fused)
+        return gemm_triton.qkv_prep_gemm(x, w, cfg, fused), None
+
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         torch.mul(src, 1, out=x)
-        gemm_triton.norm_qkv_prep(x, r, nw, EPS, w, cfg, fused)
+        launch()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         torch.mul(src, 2, out=x)
-        q, summed = gemm_triton.norm_qkv_prep(x, r, nw, EPS, w, cfg, fused)
+        q, summed = launch()
     graph.replay()
     torch.cuda.synchronize()
-    want = unfused_prep(2 * src, r, nw, w, ref)
+    want = unfused_prep(2 * src, r if norm else None, nw, w, ref)
     bound = 4 * unit_roundoff(torch.bfloat16)
-    assert torch.equal(summed, 2 * src + r)
+    assert summed is None or torch.equal(summed, 2 * src + r)
     assert rel_err(q, want) < bound
     assert rel_err(fused.k_cache, ref.k_cache) < bound and rel_err(fused.v_cache, ref.v_cache) < bound
     assert counters_zero(x.device)
