@@ -17,6 +17,10 @@ Batches of 5-256 rows take the mid-batch GEMM (`gemm_triton`: tensor cores, PDL,
 where `SKINNY_TABLE` names a config for the projection's shape and rows bucket: the sweep found it ahead of cuBLAS
 at 8-32 rows (1.07-1.48x per projection) and behind it at 256 (0.79-0.84x), so the table keeps cuBLAS there;
 offline on an H200 it is +0.6 % (three pairs, each ahead). KUBESGL_SKINNY_GEMM=0 keeps cuBLAS.
+Its table also names folds (SKINNY_OPS): the RMSNorm before qkv / gate_up (`norm_linear`), the qkv prep after qkv
+(`qkv_linear_prep`), both (`norm_qkv_prep`). The norm fold measured slower than the norm kernel it replaces (an H100,
+2026-12-07: 0.34-0.86x), the prep fold is not yet measured, so the built-in table names none: they run only where a
+sweep's table (KUBESGL_SKINNY_CONFIGS) has them.
 """
 
 from __future__ import annotations
