@@ -349,17 +349,17 @@ case "$mode" in
       grep "^== bs" "$OUT/trace_skinny$on.txt" | sed "s/^/skinny $on: /"
     done
     ;;
-  fold25)  # issue 25, sixteenth session: the mid-batch GEMM's norm and qkv-prep folds. Mini-SGLang's kernels warm in
-           # the background meanwhile (CPU-bound); the folds' GPU tests, the sweep (-> $OUT/skinny_table.json), the
+  fold25)  # issue 25, sixteenth session: the mid-batch GEMM's qkv-prep fold. Mini-SGLang's kernels warm in
+           # the background meanwhile (CPU-bound); the fold's GPU tests, the sweep (-> $OUT/skinny_table.json), the
            # offline benchmark with the built-in table and with the sweep's (step profiles), then Mini-SGLang timed
     bash benchmark/peers.sh warm > "$OUT/peers_warm.txt" 2>&1 &
     warm_pid=$!
-    timeout 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/kernels/test_skinny_gemm.py -k norm 2>&1 \
+    timeout 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/kernels/test_skinny_gemm.py -k prep 2>&1 \
       | tail -3 | tee "$OUT/gpu_tests_fold.txt"
-    timeout 80 python3 -m pytest -q -p no:cacheprovider tests/unit/engine/test_gpu_parity.py -k mid_batch 2>&1 \
+    timeout 80 python3 -m pytest -q -p no:cacheprovider tests/unit/engine/test_gpu_parity.py -k mid 2>test_gpu_parity.py -k mid-batch 2>&11 \
       | tail -3 | tee -a "$OUT/gpu_tests_fold.txt"
     timeout "${SWEEP_TIMEOUT:-170}" python3 benchmark/skinny_sweep.py --json "$OUT/skinny.jsonl" \
-      --table "$OUT/skinny_table.json" --ops "${SWEEP_OPS:-prep,norm_prep}" \
+      --table "$OUT/skinny_table.json" --ops "${SWEEP_OPS:-prep}" \
       --block-n 32,64 --block-k 128 --max-block-m 64 2>&1 | grep -v Warn | tail -50 \
       > "$OUT/skinny.txt"
     tail -24 "$OUT/skinny.txt"

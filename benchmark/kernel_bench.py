@@ -117,27 +117,20 @@ def layer_step(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decoder layer's projections and norms as the engine runs them: (hidden, residual) after it. `lin` is the
     projection (cuBLAS by default); `fold_silu` takes the engine's folds around gate_up where they apply (the
-    residual norm and SiLU·mul in one kernel: kernels.gemv.norm_linear, else gate_up_silu); `prep`, a
-    kernels.gemm_config.QkvPrep, adds the q/k norm, RoPE and KV store after qkv (kernels.gemv.norm_qkv_prep's one
-    kernel where its table has it, else the norm and qkv_linear_prep's one kernel, else the norm, `lin` and
-    qkv_prep); `attend`, if given, runs between qkv and o,
-    and `attn_out` stands in for its output."""
+    residual norm and SiLU·mul in the GEMV's one kernel: kernels.gemv.norm_linear, else gate_up_silu); `prep`, a
+    kernels.qkv_prep.QkvPrep, adds the q/k norm, RoPE and KV store after qkv (kernels.gemv.qkv_linear_prep's one
+    kernel where its table has it, else `lin` and qkv_prep); `attend`, if given, runs between qkv and o, and
+    `attn_out` stands in for its output."""
     from kubesgl.kernels.activation import silu_and_mul
-    from kubesgl.kernels.gemv import gate_up_silu, norm_linear, norm_qkv_prep, qkv_linear_prep
+    from kubesgl.kernels.gemv import gate_up_silu, norm_linear, qkv_linear_prep
     from kubesgl.kernels.norm import fused_add_rms_norm
-    from kubesgl.kernels.qkv_prep_triton import qkv_prep
 
-    fused = norm_qkv_prep(h, r, nw, EPS, w["qkv"], None, lambda: prep) if prep is not None else None
-    if fused is not None:
-        r = fused[1]
-    else:
-        normed, r = fused_add_rms_norm(h, r, nw, EPS)
-        q = qkv_linear_prep(normed, w["qkv"], None, lambda: prep) if prep is not None else None
-        qkv = lin(normed, w["qkv"]) if q is None else None
-        if qkv is not None and prep is not None:
-            p = prep
-            qkv_prep(qkv, p.positions, p.out_loc, p.cos, p.sin, p.q_norm_weight, p.k_norm_weight, p.eps,
-                     p.k_cache, p.v_cache, p.num_q_heads, p.num_kv_heads)  # fmt: skip
+    normed, r = fused_add_rms_norm(h, r, nw, EPS)
+    q = qkv_linear_prep(normed, w["qkv"], None, lambda: prep) if prep is not None else None
+    if q is None:
+        qkv = lin(normed, w["qkv"])
+        if prep is not None:
+            prep.run(qkv)
     if attend is not None:
         attend()
     o = lin(attn_out, w["o"])
@@ -153,9 +146,9 @@ def layer_step(
 
 
 def qkv_prep_args(m: int, q_heads: int = 16, kv_heads: int = 8, head_dim: int = 128, seed: int = 0) -> Any:
-    """A kernels.gemm_config.QkvPrep for `m` decode rows on the device: seeded positions below 4,096, one cache
+    """A kernels.qkv_prep.QkvPrep for `m` decode rows on the device: seeded positions below 4,096, one cache
     slot each, Qwen3's RoPE base and q/k norm weights near 1."""
-    from kubesgl.kernels.gemm_config import QkvPrep
+    from kubesgl.kernels.qkv_prep import QkvPrep
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
     half = head_dim // 2

@@ -56,9 +56,8 @@ def gemv_silu() -> bool:
 
 
 def gemv_norm() -> bool:
-    """The RMSNorm before a decoder's qkv and gate_up projections runs inside the projection's kernel (kernels/gemv.py:
-    the GEMV's up to 4 rows, and the mid-batch GEMM's where its table has the norm ops, the qkv prep after it
-    included) unless KUBESGL_GEMV_NORM = 0/false."""
+    """With the GEMV on, the RMSNorm before a decoder's qkv and gate_up projections of up to 4 rows runs inside
+    the projection's kernel (kernels/gemv.py) unless KUBESGL_GEMV_NORM = 0/false."""
     return os.environ.get("KUBESGL_GEMV_NORM") not in _FALSE
 
 

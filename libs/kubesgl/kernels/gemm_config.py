@@ -1,12 +1,9 @@
-"""The mid-batch GEMM kernel's launch config and its qkv-prep epilogue's arguments (`gemm_triton`), importable
-without Triton."""
+"""The mid-batch GEMM kernel's launch config (`gemm_triton`), importable without Triton."""
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-
-import torch
 
 _KEY = re.compile(r"m(\d+)n(\d+)k(\d+)s(\d+)w(\d+)p(\d+)")
 
@@ -34,21 +31,3 @@ class GemmConfig:
         if match is None:
             raise ValueError(f"not a GEMM config key: {key!r} (e.g. 'm16n64k128s1w4p3')")
         return cls(*(int(v) for v in match.groups()))
-
-
-@dataclass(frozen=True)
-class QkvPrep:
-    """What the PREP epilogue does after the qkv projection: `qkv_prep_triton.qkv_prep`'s arguments. cos/sin
-    [positions, D/2] float32; k_cache/v_cache one layer's [slots, kv_heads, D] with dense slot rows."""
-
-    positions: torch.Tensor
-    out_loc: torch.Tensor
-    cos: torch.Tensor
-    sin: torch.Tensor
-    q_norm_weight: torch.Tensor | None
-    k_norm_weight: torch.Tensor | None
-    eps: float
-    k_cache: torch.Tensor
-    v_cache: torch.Tensor
-    num_q_heads: int
-    num_kv_heads: int

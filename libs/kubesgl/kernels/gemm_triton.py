@@ -17,17 +17,16 @@ atomic at GPU scope: CUTLASS's semaphore); the program that finds itself last su
 order (a fixed order: the output is the same run to run whichever program finishes last), runs the epilogue, and
 sets the counter back to 0 for the next launch and graph replay. No reduce kernel, no atomics on the data.
 
-What the kernels around a projection do can run inside it (each rounding where the separate kernels round):
-- NORM: x is an RMSNorm's input (plus the residual, when given). Every program first sums the squares of its rows
-  over all of K (from L2 after the first program), then normalises each x tile as it loads it, as `norm_triton`
-  does (float32, rounded to x's dtype, times the weight); program (0, m, 0) writes x + residual, the residual
-  stream the next sub-layer reads. One norm kernel and its boundary less.
+Two of the kernels around a projection can run inside it (each rounding where the separate kernel rounds):
 - SILU: w is [gate; up] ([2N, K]); a program holds the same rows of both halves (two accumulators) and writes
   silu(gate) * up, each rounded to the output dtype first as the GEMM and `silu_and_mul` kernels round.
 - PREP: w is the fused qkv projection ([(q_heads + 2 kv_heads) * D, K]); a program holds one head, its first
   and second halves (D/2 rows each) in two accumulators, so its epilogue is `qkv_prep_triton` for that head: the
   per-head RMSNorm of q and k, NeoX RoPE (the halves rotate into each other), q into a dense buffer, k and v
   straight into their KV-cache slots. The qkv tensor is never written; the prep kernel and its boundary go.
+(The RMSNorm before a projection was folded in too, and measured slower than the norm kernel on an H100, 0.34-0.86x:
+each program summed its rows' squares over all of K before its first MMA and normalised every x tile again. It was
+taken out; docs/performance.md, issue 25, sixteenth session.)
 """
 
 from __future__ import annotations
@@ -36,9 +35,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kubesgl.kernels.gemm_config import GemmConfig, QkvPrep
+from kubesgl.kernels.gemm_config import GemmConfig
 from kubesgl.kernels.pdl import pdl_kwargs
 from kubesgl.kernels.pdl_triton import pdl_launch_dependents, pdl_wait
+from kubesgl.kernels.qkv_prep import QkvPrep
 
 # Tile counters for split-K: zeros, left zeroed by every launch. One buffer per (device, stream), so launches on
 # two streams at once (two half-batches, say) never count on each other's tiles; launches on one stream run one
@@ -46,19 +46,6 @@ from kubesgl.kernels.pdl_triton import pdl_launch_dependents, pdl_wait
 # address (a buffer first made during a capture comes from the graph's pool, zeroed by a node of that graph).
 MAX_TILES = 1 << 14
 _counters: dict[tuple[torch.device, int], torch.Tensor] = {}
-
-
-@triton.jit
-def _load_x(x_cols, r_cols, norm_w_ptr, kk, mask, K, rstd, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
-    """An x tile [BLOCK_K, BLOCK_M] (transposed), normalised as `norm_triton` would with NORM."""
-    xt = tl.load(x_cols + kk[:, None], mask=mask, other=0.0)
-    if NORM:
-        if HAS_RESIDUAL:
-            res = tl.load(r_cols + kk[:, None], mask=mask, other=0.0)
-            xt = xt.to(res.dtype) + res
-        nw = tl.load(norm_w_ptr + kk, mask=kk < K, other=0.0)
-        xt = (xt.to(tl.float32) * rstd[None, :]).to(xt.dtype) * nw[:, None]
-    return xt
 
 
 @triton.jit
@@ -80,7 +67,7 @@ def _epilogue(
     k_cache_ptr,
     v_cache_ptr,
     stride_cs,
-    head_eps,
+    eps,
     num_q_heads,
     num_kv_heads,
     head,
@@ -108,7 +95,7 @@ def _epilogue(
                 else:
                     w1 = tl.load(kw_ptr + d)
                     w2 = tl.load(kw_ptr + BLOCK_N + d)
-                rstd = tl.rsqrt((tl.sum(lo * lo, 0) + tl.sum(hi * hi, 0)) / head_dim + head_eps)[None, :]
+                rstd = tl.rsqrt((tl.sum(lo * lo, 0) + tl.sum(hi * hi, 0)) / head_dim + eps)[None, :]
                 lo = ((lo * rstd).to(dtype) * w1[:, None]).to(tl.float32)
                 hi = ((hi * rstd).to(dtype) * w2[:, None]).to(tl.float32)
             pos = tl.load(pos_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
@@ -141,9 +128,6 @@ def _epilogue(
 @triton.jit
 def _skinny_gemm_kernel(
     x_ptr,
-    res_ptr,
-    norm_w_ptr,
-    sum_ptr,
     w_ptr,
     out_ptr,
     part_ptr,
@@ -164,12 +148,9 @@ def _skinny_gemm_kernel(
     stride_out,
     stride_part,
     eps,
-    head_eps,
     stride_cs,
     num_q_heads,
     num_kv_heads,
-    NORM: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr,
     SILU: tl.constexpr,
     PREP: tl.constexpr,
     QK_NORM: tl.constexpr,
@@ -206,7 +187,6 @@ def _skinny_gemm_kernel(
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_w
     w2_rows = w_rows + second * stride_w
     x_cols = x_ptr + offs_m[None, :].to(tl.int64) * stride_x
-    r_cols = res_ptr + offs_m[None, :].to(tl.int64) * K
     # The first weight tile before the wait: it does not depend on the kernel before this one.
     kk = k_lo + offs_k
     w_mask = mask_n[:, None] & (kk[None, :] < k_hi)
@@ -215,24 +195,7 @@ def _skinny_gemm_kernel(
         w2 = tl.load(w2_rows + kk[None, :], mask=w_mask, other=0.0)
     pdl_wait(USE_PDL)
     pdl_launch_dependents(USE_PDL)
-    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if NORM:  # the rows' squares over all of K (whatever this program's split), x + residual written once
-        ss = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kn = k0 + offs_k
-            mask_x = mask_m[None, :] & (kn[:, None] < K)
-            s = tl.load(x_cols + kn[:, None], mask=mask_x, other=0.0)
-            if HAS_RESIDUAL:
-                res = tl.load(r_cols + kn[:, None], mask=mask_x, other=0.0)
-                s = s.to(res.dtype) + res
-                if (pid_n == 0) & (pid_k == 0):
-                    tl.store(sum_ptr + offs_m[None, :].to(tl.int64) * K + kn[:, None], s, mask=mask_x)
-            s32 = s.to(tl.float32)
-            ss += tl.sum(s32 * s32, 0)
-        rstd = tl.rsqrt(ss / K + eps)
-    xt = _load_x(
-        x_cols, r_cols, norm_w_ptr, kk, mask_m[None, :] & (kk[:, None] < k_hi), K, rstd, NORM, HAS_RESIDUAL
-    )
+    xt = tl.load(x_cols + kk[:, None], mask=mask_m[None, :] & (kk[:, None] < k_hi), other=0.0)
     acc = tl.dot(w, xt)
     if TWO:
         acc2 = tl.dot(w2, xt)
@@ -241,17 +204,7 @@ def _skinny_gemm_kernel(
     for k in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
         kk = k + offs_k
         w_mask = mask_n[:, None] & (kk[None, :] < k_hi)
-        xt = _load_x(
-            x_cols,
-            r_cols,
-            norm_w_ptr,
-            kk,
-            mask_m[None, :] & (kk[:, None] < k_hi),
-            K,
-            rstd,
-            NORM,
-            HAS_RESIDUAL,
-        )
+        xt = tl.load(x_cols + kk[:, None], mask=mask_m[None, :] & (kk[:, None] < k_hi), other=0.0)
         w = tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0)
         acc = tl.dot(w, xt, acc)
         if TWO:
@@ -260,7 +213,7 @@ def _skinny_gemm_kernel(
     if SPLIT_K == 1:
         _epilogue(
             acc, acc2, out_ptr, offs_n, offs_m, mask_n, mask_m, stride_out, pos_ptr, loc_ptr, cos_ptr, sin_ptr,
-            qw_ptr, kw_ptr, k_cache_ptr, v_cache_ptr, stride_cs, head_eps, num_q_heads, num_kv_heads, pid_n,
+            qw_ptr, kw_ptr, k_cache_ptr, v_cache_ptr, stride_cs, eps, num_q_heads, num_kv_heads, pid_n,
             SILU, PREP, QK_NORM, BLOCK_N,
         )  # fmt: skip
     else:
@@ -284,7 +237,7 @@ def _skinny_gemm_kernel(
                     total2 += tl.load(part + second, mask=mask_out, other=0.0, cache_modifier=".cg")
             _epilogue(
                 total, total2, out_ptr, offs_n, offs_m, mask_n, mask_m, stride_out, pos_ptr, loc_ptr, cos_ptr,
-                sin_ptr, qw_ptr, kw_ptr, k_cache_ptr, v_cache_ptr, stride_cs, head_eps, num_q_heads, num_kv_heads,
+                sin_ptr, qw_ptr, kw_ptr, k_cache_ptr, v_cache_ptr, stride_cs, eps, num_q_heads, num_kv_heads,
                 pid_n, SILU, PREP, QK_NORM, BLOCK_N,
             )  # fmt: skip
 
@@ -297,70 +250,21 @@ def _counters_for(device: torch.device) -> torch.Tensor:
     return counters
 
 
-def grid(m: int, n: int, cfg: GemmConfig) -> tuple[int, int, int]:
-    return (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), cfg.split_k)
-
-
 def skinny_gemm(x: torch.Tensor, w: torch.Tensor, cfg: GemmConfig, *, silu: bool = False) -> torch.Tensor:
     """x [M, K] @ w [N, K]^T -> [M, N] in x's dtype (float32 sums), or with `silu` (w = [gate; up], [2N, K])
     silu(x @ gate.T) * (x @ up.T) [M, N]. x and w dense in their last dimension, same dtype."""
-    return _launch(x, w, cfg, silu=silu)[0]
+    return _launch(x, w, cfg, silu=silu)
 
 
-def norm_skinny_gemm(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    norm_weight: torch.Tensor,
-    eps: float,
-    w: torch.Tensor,
-    cfg: GemmConfig,
-    *,
-    silu: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm (with the residual add when `residual` is given), then `skinny_gemm`: (projection of
-    norm(x + residual) * norm_weight, x + residual); without a residual the second is x itself."""
-    out, summed = _launch(x, w, cfg, silu=silu, residual=residual, norm_weight=norm_weight, eps=eps)
-    return out, summed if summed is not None else x
-
-
-def norm_qkv_prep(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    norm_weight: torch.Tensor,
-    eps: float,
-    w: torch.Tensor,
-    cfg: GemmConfig,
-    prep: QkvPrep,
-    q_out: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The input RMSNorm, the fused qkv projection and `qkv_prep` in one kernel: (q [M, q_heads * D], x +
-    residual); k and v land in their cache slots. `q_out`: a dense [M, q_heads * D] tensor to write q into."""
-    out, summed = _launch(
-        x, w, cfg, residual=residual, norm_weight=norm_weight, eps=eps, prep=prep, out=q_out
-    )
-    return out, summed if summed is not None else x
-
-
-def qkv_prep_gemm(
-    x: torch.Tensor, w: torch.Tensor, cfg: GemmConfig, prep: QkvPrep, q_out: torch.Tensor | None = None
-) -> torch.Tensor:
-    """The fused qkv projection of an already normalised x and `qkv_prep` in one kernel: q [M, q_heads * D]; k and v
-    land in their cache slots."""
-    return _launch(x, w, cfg, prep=prep, out=q_out)[0]
+def qkv_prep_gemm(x: torch.Tensor, w: torch.Tensor, cfg: GemmConfig, prep: QkvPrep) -> torch.Tensor:
+    """The fused qkv projection of x (the input norm's output) and `qkv_prep` in one kernel: q [M, q_heads * D];
+    k and v land in their cache slots."""
+    return _launch(x, w, cfg, prep=prep)
 
 
 def _launch(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    cfg: GemmConfig,
-    *,
-    silu: bool = False,
-    residual: torch.Tensor | None = None,
-    norm_weight: torch.Tensor | None = None,
-    eps: float = 0.0,
-    prep: QkvPrep | None = None,
-    out: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    x: torch.Tensor, w: torch.Tensor, cfg: GemmConfig, *, silu: bool = False, prep: QkvPrep | None = None
+) -> torch.Tensor:
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"skinny_gemm: x {tuple(x.shape)} and w {tuple(w.shape)}")
     if x.stride(-1) != 1 or w.stride(-1) != 1 or x.dtype != w.dtype:
@@ -368,35 +272,16 @@ def _launch(
     if silu and w.shape[0] % 2:
         raise ValueError(f"skinny_gemm silu: w [gate; up] needs an even row count, got {w.shape[0]}")
     m, k = x.shape
-    summed = None
-    if norm_weight is not None:
-        if norm_weight.dtype != x.dtype or norm_weight.shape != (k,):
-            raise ValueError(f"norm: weight {norm_weight.dtype} {tuple(norm_weight.shape)} for x {x.dtype}")
-        if residual is not None:
-            if residual.shape != x.shape or residual.dtype != x.dtype or not residual.is_contiguous():
-                raise ValueError(
-                    f"norm: residual {residual.dtype} {tuple(residual.shape)} must be x's, dense"
-                )
-            summed = torch.empty_like(residual)
     n = w.shape[0] // 2 if silu else w.shape[0]
     if prep is not None:
-        _check_prep(prep, m, n, cfg, x)
-        q_width = prep.num_q_heads * 2 * cfg.block_n
-        if out is None:
-            out = torch.empty((m, q_width), dtype=x.dtype, device=x.device)
-        elif (
-            out.shape[0] != m or out.numel() != m * q_width or not out.is_contiguous() or out.dtype != x.dtype
-        ):
-            raise ValueError(
-                f"q_out must be a dense [{m}, {q_width}] {x.dtype} tensor, got {tuple(out.shape)}"
-            )
-        out = out.view(m, q_width)
-        programs_n = n // (2 * cfg.block_n)
+        _check_prep(prep, m, n, cfg)
+        out = torch.empty((m, prep.num_q_heads * 2 * cfg.block_n), dtype=x.dtype, device=x.device)
+        programs_n = n // (2 * cfg.block_n)  # one per head
     else:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
         programs_n = triton.cdiv(n, cfg.block_n)
     if m == 0 or n == 0:
-        return out, summed
+        return out
     g = (programs_n, triton.cdiv(m, cfg.block_m), cfg.split_k)
     part_cols = 2 * n if silu else n
     if cfg.split_k > 1:
@@ -409,9 +294,6 @@ def _launch(
     p = prep
     _skinny_gemm_kernel[g](
         x,
-        residual if residual is not None else x,
-        norm_weight if norm_weight is not None else x,
-        summed if summed is not None else x,
         w,
         out,
         part,
@@ -431,13 +313,10 @@ def _launch(
         w.stride(0),
         out.stride(0),
         m * part_cols,
-        eps,
         p.eps if p else 0.0,
         p.cos.stride(0) if p else 0,
         p.num_q_heads if p else 0,
         p.num_kv_heads if p else 0,
-        NORM=norm_weight is not None,
-        HAS_RESIDUAL=residual is not None,
         SILU=silu,
         PREP=p is not None,
         QK_NORM=p is not None and p.q_norm_weight is not None,
@@ -449,19 +328,19 @@ def _launch(
         num_stages=cfg.num_stages,
         **pdl_kwargs(x),
     )
-    return out, summed
+    return out
 
 
-def _check_prep(prep: QkvPrep, m: int, n: int, cfg: GemmConfig, x: torch.Tensor) -> None:
+def _check_prep(prep: QkvPrep, m: int, n: int, cfg: GemmConfig) -> None:
     half = prep.cos.shape[-1]
     head_dim = 2 * half
     if cfg.block_n != half:
-        raise ValueError(f"norm_qkv_prep: the config's block_n must be head_dim / 2 = {half}, got {cfg}")
+        raise ValueError(f"qkv_prep_gemm: the config's block_n must be head_dim / 2 = {half}, got {cfg}")
     if n != (prep.num_q_heads + 2 * prep.num_kv_heads) * head_dim:
         raise ValueError(f"qkv width {n} is not ({prep.num_q_heads} + 2 * {prep.num_kv_heads}) * {head_dim}")
     if (prep.q_norm_weight is None) != (prep.k_norm_weight is None):
         raise ValueError("q and k norms come together")
     if prep.cos.stride(-1) != 1 or prep.sin.stride() != prep.cos.stride():
-        raise ValueError("norm_qkv_prep needs dense cos/sin tables of one layout")
+        raise ValueError("qkv_prep_gemm needs dense cos/sin tables of one layout")
     if prep.positions.shape[0] < m or prep.out_loc.shape[0] < m:
-        raise ValueError(f"norm_qkv_prep: {m} rows need as many positions and cache slots")
+        raise ValueError(f"qkv_prep_gemm: {m} rows need as many positions and cache slots")

@@ -17,10 +17,8 @@ Batches of 5-256 rows take the mid-batch GEMM (`gemm_triton`: tensor cores, PDL,
 where `SKINNY_TABLE` names a config for the projection's shape and rows bucket: the sweep found it ahead of cuBLAS
 at 8-32 rows (1.07-1.48x per projection) and behind it at 256 (0.79-0.84x), so the table keeps cuBLAS there;
 offline on an H200 it is +0.6 % (three pairs, each ahead). KUBESGL_SKINNY_GEMM=0 keeps cuBLAS.
-Its table also names folds (SKINNY_OPS): the RMSNorm before qkv / gate_up (`norm_linear`), the qkv prep after qkv
-(`qkv_linear_prep`), both (`norm_qkv_prep`). The norm fold measured slower than the norm kernel it replaces (an H100,
-2026-12-07: 0.34-0.86x), the prep fold is not yet measured, so the built-in table names none: they run only where a
-sweep's table (KUBESGL_SKINNY_CONFIGS) has them.
+Its table can also name the qkv prep after the qkv projection (op "prep", `qkv_linear_prep`); that fold is not yet
+measured, so the built-in table names none: it runs only where a sweep's table (KUBESGL_SKINNY_CONFIGS) has it.
 """
 
 from __future__ import annotations
@@ -34,7 +32,8 @@ import torch.nn.functional as F
 
 from kubesgl import env
 from kubesgl.kernels.dispatch import use_triton
-from kubesgl.kernels.gemm_config import GemmConfig, QkvPrep
+from kubesgl.kernels.gemm_config import GemmConfig
+from kubesgl.kernels.qkv_prep import QkvPrep
 
 GEMV_MAX_ROWS = 4
 GEMV_MAX_K = 4096  # a program holds [N/programs, K] in registers; larger K keeps cuBLAS
@@ -43,10 +42,9 @@ SKINNY_MAX_ROWS = 256
 SKINNY_DTYPES = (torch.bfloat16, torch.float16)  # float32 would run tl.dot in TF32, which F.linear does not
 
 # What one launch of the mid-batch GEMM does (`gemm_triton`): the projection alone, with the SiLU·mul of [gate; up]
-# folded in, behind its RMSNorm (and residual add), both, the qkv projection + q/k norm, RoPE and KV store (prep),
-# or that behind the input norm too (the whole stretch from a layer's input to its attention). N is the output
-# width (gate_up's half).
-SKINNY_OPS = ("linear", "silu", "norm", "norm_silu", "prep", "norm_prep")
+# folded in, or the qkv projection with its q/k norm, RoPE and KV store (prep). N is the output width (gate_up's
+# half).
+SKINNY_OPS = ("linear", "silu", "prep")
 _LEGACY_OPS = {"0": "linear", "1": "silu"}  # the fifteenth session's tables: "n,k,silu,bucket"
 
 # Mid-batch GEMM configs (N, K, op, rows bucket) -> config, only where the kernel beat cuBLAS by >= 3 % at that
@@ -178,70 +176,34 @@ def norm_linear(
     *,
     silu: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """An RMSNorm (with its residual add) and the projection after it as one kernel, the GEMV where
-    `gemv_applies` or the mid-batch GEMM where its table has the "norm" ("norm_silu") op: (projection, or
-    silu·mul of [gate; up] when `silu`, of norm(x + residual), x + residual), if there is no bias, x has the
-    norm weight's dtype, the residual (if any) is dense and x's dtype and shape, and the norm fold (and for
-    `silu` the SiLU fold) is on; None otherwise (the caller runs the norm and the projection). A float32 x is
-    the fused MLP's sum, which the separate norm rounds into the residual's dtype first."""
-    if not _norm_fold_applies(x, residual, norm_weight, bias, silu):
+    """An RMSNorm (with its residual add) and the projection after it as one GEMV kernel: (projection, or
+    silu·mul of [gate; up] when `silu`, of norm(x + residual), x + residual) where `gemv_applies`, there is no
+    bias, x has the norm weight's dtype, the residual (if any) is dense and x's dtype and shape, and the norm
+    fold (and for `silu` the SiLU fold) is on; None otherwise (the caller runs the norm and the projection). A
+    float32 x is the fused MLP's sum, which the separate norm rounds into the residual's dtype first."""
+    if bias is not None or not (
+        gemv_applies(x, weight) and env.gemv_norm() and (env.gemv_silu() or not silu)
+    ):
         return None
-    if gemv_applies(x, weight):
-        from kubesgl.kernels import gemv_triton
-
-        return gemv_triton.norm_gemv(x, residual, norm_weight, eps, weight, silu=silu)
-    if (cfg := skinny_config(x, weight, op="norm_silu" if silu else "norm")) is not None:
-        from kubesgl.kernels import gemm_triton
-
-        return gemm_triton.norm_skinny_gemm(x, residual, norm_weight, eps, weight, cfg, silu=silu)
-    return None
-
-
-def norm_qkv_prep(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    norm_weight: torch.Tensor,
-    eps: float,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    prep: Callable[[], QkvPrep],
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """A decoder layer's input norm (with its residual add), fused qkv projection, q/k norms, RoPE and K/V
-    store as one mid-batch GEMM, where its table has the "norm_prep" op and the norm fold applies (as for
-    `norm_linear`): (q [M, q_heads * D], x + residual); None otherwise. `prep` builds the epilogue's
-    arguments, only when the fold runs."""
-    if not _norm_fold_applies(x, residual, norm_weight, bias, False):
+    if x.dtype != norm_weight.dtype:
         return None
-    if (cfg := skinny_config(x, weight, op="norm_prep")) is None:
+    if residual is not None and (
+        residual.dtype != x.dtype or residual.shape != x.shape or not residual.is_contiguous()
+    ):
         return None
-    from kubesgl.kernels import gemm_triton
+    from kubesgl.kernels import gemv_triton
 
-    return gemm_triton.norm_qkv_prep(x, residual, norm_weight, eps, weight, cfg, prep())
+    return gemv_triton.norm_gemv(x, residual, norm_weight, eps, weight, silu=silu)
 
 
 def qkv_linear_prep(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prep: Callable[[], QkvPrep]
 ) -> torch.Tensor | None:
-    """The fused qkv projection of a normalised x and its q/k norms, RoPE and K/V store as one mid-batch GEMM, where
-    its table has the "prep" op and there is no bias: q [M, q_heads * D]; None otherwise."""
-    if bias is not None or x.dim() != 2 or (cfg := skinny_config(x, weight, op="prep")) is None:
+    """The fused qkv projection of x (the input norm's output) and its q/k norms, RoPE and K/V store as one
+    mid-batch GEMM, where its table has the "prep" op and there is no bias: q [M, q_heads * D]; None otherwise.
+    `prep` builds the epilogue's arguments, only when the fold runs."""
+    if bias is not None or (cfg := skinny_config(x, weight, op="prep")) is None:
         return None
     from kubesgl.kernels import gemm_triton
 
     return gemm_triton.qkv_prep_gemm(x, weight, cfg, prep())
-
-
-def _norm_fold_applies(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    norm_weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    silu: bool,
-) -> bool:
-    if bias is not None or not env.gemv_norm() or (silu and not env.gemv_silu()):
-        return False
-    if x.dtype != norm_weight.dtype or x.dim() != 2:
-        return False
-    return residual is None or (
-        residual.dtype == x.dtype and residual.shape == x.shape and residual.is_contiguous()
-    )

@@ -17,8 +17,8 @@ from kubesgl.distributed import TPGroup
 from kubesgl.errors import UnsupportedModelError
 from kubesgl.kernels.dispatch import use_triton
 from kubesgl.kernels.fused_mlp import fused_mlp, fused_mlp_applies
-from kubesgl.kernels.gemm_config import QkvPrep
-from kubesgl.kernels.gemv import gate_up_silu, norm_linear, norm_qkv_prep, qkv_linear_prep
+from kubesgl.kernels.gemv import gate_up_silu, norm_linear, qkv_linear_prep
+from kubesgl.kernels.qkv_prep import QkvPrep
 from kubesgl.layers import opaque
 from kubesgl.layers.activation import SiluAndMul
 from kubesgl.layers.attention import Attention
@@ -73,17 +73,15 @@ class DecoderAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         """The fused qkv projection, then norms, RoPE, KV store, attention and o_proj."""
-        if not opaque.tracing():
-            w, b = self.qkv_proj.weight, self.qkv_proj.bias
-            q = qkv_linear_prep(hidden, w, b, lambda: self._qkv_prep_args(positions, fb))
-            if q is not None:  # the projection and its prep in one mid-batch GEMM (5-256 rows on CUDA)
-                return self.o_proj(self.attn(q, fb))
-        qkv = self.qkv_proj(hidden)
         if opaque.tracing():  # torch.compile: the block between the projections is one opaque op
-            out = opaque.attention_block(qkv, positions, self.attn.layer_id, self.q_size)
-        else:
-            out = self.attend(qkv, positions, fb)
-        return self.o_proj(out)
+            qkv = self.qkv_proj(hidden)
+            return self.o_proj(opaque.attention_block(qkv, positions, self.attn.layer_id, self.q_size))
+        w, b = self.qkv_proj.weight, self.qkv_proj.bias
+        # The projection and its prep in one mid-batch GEMM where its table says (5-256 rows on CUDA).
+        q = qkv_linear_prep(hidden, w, b, lambda: self._prep_args(positions, fb))
+        if q is None:
+            q = self.prep(self.qkv_proj(hidden), positions, fb)
+        return self.o_proj(self.attn(q, fb))
 
     def attend(self, qkv: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         """From the fused qkv projection to the attention output: norms, RoPE, KV store, attention."""
@@ -99,30 +97,8 @@ class DecoderAttention(nn.Module):
         q = self._prep(qkv, positions, fb)
         return q if out is None else out.copy_(q)
 
-    def norm_prep(
-        self,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        norm: RMSNorm,
-        positions: torch.Tensor,
-        fb: ForwardBatch,
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The layer's input norm `norm`, the qkv projection and `prep` as one mid-batch GEMM
-        (kernels/gemm_triton.py's PREP epilogue) where its table has a config: (q, residual); None otherwise."""
-        if opaque.tracing():
-            return None
-        qkv = self.qkv_proj
-        return norm_qkv_prep(
-            hidden,
-            residual,
-            norm.weight,
-            norm.eps,
-            qkv.weight,
-            qkv.bias,
-            lambda: self._qkv_prep_args(positions, fb),
-        )
-
-    def _qkv_prep_args(self, positions: torch.Tensor, fb: ForwardBatch) -> QkvPrep:
+    def _prep_args(self, positions: torch.Tensor, fb: ForwardBatch) -> QkvPrep:
+        """This layer's prep after the qkv projection, for the rows of `fb`."""
         layer, qn, kn = self.attn.layer_id, self.q_norm, self.k_norm
         return QkvPrep(
             positions,
@@ -152,25 +128,7 @@ class DecoderAttention(nn.Module):
         self, qkv: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch, out: torch.Tensor | None = None
     ) -> torch.Tensor:
         """The same in one Triton kernel (`kernels/qkv_prep_triton.py`)."""
-        from kubesgl.kernels.qkv_prep_triton import qkv_prep
-
-        layer = self.attn.layer_id
-        qn, kn = self.q_norm, self.k_norm
-        return qkv_prep(
-            qkv,
-            positions,
-            fb.out_loc,
-            self.rotary_emb.cos,
-            self.rotary_emb.sin,
-            qn.weight if qn is not None else None,
-            kn.weight if kn is not None else None,
-            qn.eps if qn is not None else 0.0,
-            fb.kv.k_flat(layer),
-            fb.kv.v_flat(layer),
-            self.attn.num_heads,
-            self.attn.num_kv_heads,
-            out,
-        ).view(qkv.shape[0], -1)
+        return self._prep_args(positions, fb).run(qkv, out).view(qkv.shape[0], -1)
 
 
 class DenseMLP(nn.Module):
@@ -224,15 +182,11 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         attn, norm = self.self_attn, self.input_layernorm
         fused = norm_linear(hidden, residual, norm.weight, norm.eps, attn.qkv_proj.weight, attn.qkv_proj.bias)
-        if fused is not None:  # the input norm inside the qkv GEMV (a decode step of a few rows on CUDA)
-            qkv, residual = fused
-            return self._mlp_block(attn.o_proj(attn.attend(qkv, positions, fb)), residual)
-        prepped = attn.norm_prep(hidden, residual, norm, positions, fb)
-        if prepped is not None:  # norm, qkv and its prep in one mid-batch GEMM (5-256 rows on CUDA)
-            q, residual = prepped
-            return self._mlp_block(attn.o_proj(attn.attn(q, fb)), residual)
-        hidden, residual = self._input_norm(hidden, residual)
-        return self._mlp_block(attn(positions, hidden, fb), residual)
+        if fused is None:
+            hidden, residual = self._input_norm(hidden, residual)
+            return self._mlp_block(attn(positions, hidden, fb), residual)
+        qkv, residual = fused  # the input norm inside the qkv GEMV (a decode step of a few rows on CUDA)
+        return self._mlp_block(attn.o_proj(attn.attend(qkv, positions, fb)), residual)
 
     def _input_norm(
         self, hidden: torch.Tensor, residual: torch.Tensor | None

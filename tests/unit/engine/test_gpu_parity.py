@@ -86,45 +86,42 @@ def test_teacher_forced_logits_close_to_hf(
     assert torch.equal(ours_all.argmax(-1)[clear], ref.argmax(-1)[clear])
 
 
-@pytest.mark.parametrize("attn", ["auto", "triton-planned"], ids=["defaults", "triton-planned"])
-def test_engine_greedy_matches_hf_with_graphs_and_overlap(
-    checkpoint: str, hf: torch.nn.Module, attn: str
-) -> None:
-    rng = random.Random(1)
-    prompts = [[rng.randrange(500) for _ in range(rng.randint(5, 60))] for _ in range(12)]
-    with LLM(checkpoint, device="cuda", dtype="bfloat16", page_size=16, attn=attn) as llm:
-        assert llm.engine.overlap and llm.engine.runner.graphs is not None
-        outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
-    for p, out in zip(prompts, outs, strict=True):
-        ref, gaps = hf_greedy(hf, p, 16)
-        ties = [bf16_tie(z) for z in hf_top_logits(hf, p, ref)]
-        assert_greedy_match(out["token_ids"], ref, gaps, tie=ties)
-
-
-def test_engine_greedy_matches_hf_with_the_mid_batch_gemm_and_its_folds(
-    checkpoint: str, hf: torch.nn.Module, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    """The mid-batch GEMM (kernels/gemm_triton.py) on every projection of this model's shapes and every rows bucket,
-    with the input norm + qkv + prep and the residual norm + gate_up + SiLU·mul each one kernel, in the engine's
-    CUDA graphs with overlap (the built-in table is keyed by Qwen3-0.6B's shapes, so this writes one for these)."""
+def mid_batch_table(tmp_path: Path) -> Path:
+    """A mid-batch GEMM table for this model's shapes (the built-in one is keyed by Qwen3-0.6B's): every projection
+    at every rows bucket, qkv with its prep and gate_up with its SiLU·mul each one kernel."""
     configs = {}
     for bucket in (8, 16, 32, 64, 128, 256):
         bm = min(max(bucket, 16), 64)
-        configs[f"1536,256,norm_prep,{bucket}"] = f"m{bm}n64k64s2w4p4"
-        configs[f"512,256,norm_silu,{bucket}"] = f"m{bm}n32k64s2w4p4"
+        configs[f"1536,256,prep,{bucket}"] = f"m{bm}n64k64s2w4p4"
+        configs[f"512,256,silu,{bucket}"] = f"m{bm}n32k64s2w4p4"
         configs[f"256,1024,linear,{bucket}"] = f"m{bm}n32k64s4w4p4"
         configs[f"256,512,linear,{bucket}"] = f"m{bm}n32k64s2w4p4"
     path = tmp_path / "table.json"
     path.write_text(json.dumps({"configs": configs}))
-    monkeypatch.setenv("KUBESGL_SKINNY_CONFIGS", str(path))
-    x = torch.zeros(12, 256, device="cuda", dtype=torch.bfloat16)
-    assert (
-        skinny_config(x, torch.zeros(1536, 256, device="cuda", dtype=torch.bfloat16), op="norm_prep")
-        is not None
-    )
-    rng = random.Random(2)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("attn", "mid_batch"),
+    [("auto", False), ("triton-planned", False), ("auto", True)],
+    ids=["defaults", "triton-planned", "mid-batch-gemm-and-prep"],
+)
+def test_engine_greedy_matches_hf_with_graphs_and_overlap(
+    checkpoint: str,
+    hf: torch.nn.Module,
+    attn: str,
+    mid_batch: bool,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    if mid_batch:  # kernels/gemm_triton.py on every projection, in the engine's CUDA graphs with overlap
+        monkeypatch.setenv("KUBESGL_SKINNY_CONFIGS", str(mid_batch_table(tmp_path)))
+        qkv = torch.zeros(1536, 256, device="cuda", dtype=torch.bfloat16)
+        x = torch.zeros(12, 256, device="cuda", dtype=torch.bfloat16)
+        assert skinny_config(x, qkv, op="prep") is not None
+    rng = random.Random(1)
     prompts = [[rng.randrange(500) for _ in range(rng.randint(5, 60))] for _ in range(12)]
-    with LLM(checkpoint, device="cuda", dtype="bfloat16", page_size=16) as llm:
+    with LLM(checkpoint, device="cuda", dtype="bfloat16", page_size=16, attn=attn) as llm:
         assert llm.engine.overlap and llm.engine.runner.graphs is not None
         outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
     for p, out in zip(prompts, outs, strict=True):
