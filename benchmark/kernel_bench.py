@@ -53,6 +53,26 @@ EPS = 1e-6
 PLAN_WAVES = [4.0, 8.0, 16.0, 32.0]
 
 
+def seeded_rand(dtype: torch.dtype = BF16, seed: int = 0) -> Callable[..., torch.Tensor]:
+    """rand(*shape, scale=1.0): randn * scale in `dtype` on the device, drawn from one seeded generator, so a part
+    draws the same values run to run."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(shape, generator=gen, device="cuda", dtype=torch.float32) * scale).to(dtype)
+
+    return rand
+
+
+def layer_weights(rand: Callable[..., torch.Tensor], layers: int = 8) -> list[dict[str, torch.Tensor]]:
+    """`layers` decoder layers' projection weights (qkv, o, gate_up, down; 8 are more than L2 holds), each
+    scaled by 1/sqrt(K)."""
+    names = ("qkv", "o", "gate_up", "down")
+    return [
+        {name: rand(*SHAPES[name], scale=SHAPES[name][1] ** -0.5) for name in names} for _ in range(layers)
+    ]
+
+
 def emit(row: dict[str, Any], path: str | None) -> None:
     print(
         "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True
@@ -198,10 +218,7 @@ def layer_projections(
 
 
 def part_latency(path: str | None) -> None:
-    gen = torch.Generator(device="cuda").manual_seed(0)
-
-    def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
-        return (torch.randn(shape, generator=gen, device="cuda", dtype=torch.float32) * scale).to(BF16)
+    rand = seeded_rand()
 
     tiny = torch.zeros(1, device="cuda")
     chain = 1000
@@ -226,10 +243,7 @@ def part_latency(path: str | None) -> None:
                 emit(row, path)
         weights.clear()
         torch.cuda.empty_cache()
-    ws = [
-        {name: rand(*SHAPES[name], scale=SHAPES[name][1] ** -0.5) for name in ("qkv", "o", "gate_up", "down")}
-        for _ in range(8)
-    ]
+    ws = layer_weights(rand)
     nw = 1 + 0.1 * rand(1024)
     for m in ROWS:
         projections = layer_projections(ws, nw, rand(m, 1024), rand(m, 1024), rand(m, 2048))
@@ -255,10 +269,7 @@ def part_pdl(path: str | None) -> None:
     from kubesgl.kernels.norm import rms_norm
     from kubesgl.kernels.pdl import pdl_enabled
 
-    gen = torch.Generator(device="cuda").manual_seed(0)
-
-    def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
-        return (torch.randn(shape, generator=gen, device="cuda", dtype=torch.float32) * scale).to(BF16)
+    rand = seeded_rand()
 
     nw = 1 + 0.1 * rand(1024)
     row = rand(1, 1024)
@@ -270,10 +281,7 @@ def part_pdl(path: str | None) -> None:
             x = rms_norm(x, nw, EPS)
         return x
 
-    ws = [
-        {name: rand(*SHAPES[name], scale=SHAPES[name][1] ** -0.5) for name in ("qkv", "o", "gate_up", "down")}
-        for _ in range(8)
-    ]
+    ws = layer_weights(rand)
     layers = {m: layer_projections(ws, nw, rand(m, 1024), rand(m, 1024), rand(m, 2048)) for m in ROWS}
     for pdl in (False, True):
         # kernels/pdl.py reads the switch at every launch, so one process measures both.
@@ -304,10 +312,7 @@ def part_mlp(path: str | None) -> None:
     from kubesgl.kernels.fused_mlp import FUSED_MLP_MAX_ROWS, fused_mlp_torch
     from kubesgl.kernels.fused_mlp_triton import fused_mlp
 
-    gen = torch.Generator(device="cuda").manual_seed(0)
-
-    def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
-        return (torch.randn(shape, generator=gen, device="cuda", dtype=torch.float32) * scale).to(BF16)
+    rand = seeded_rand()
 
     ws = [
         (rand(*SHAPES["gate_up"], scale=1024**-0.5), rand(*SHAPES["down"], scale=3072**-0.5))
@@ -342,15 +347,9 @@ def part_gemv(path: str | None) -> None:
     from kubesgl.kernels.gemv import linear
     from kubesgl.kernels.gemv_triton import gemv
 
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    rand = seeded_rand()
 
-    def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
-        return (torch.randn(shape, generator=gen, device="cuda", dtype=torch.float32) * scale).to(BF16)
-
-    ws = [
-        {name: rand(*SHAPES[name], scale=SHAPES[name][1] ** -0.5) for name in ("qkv", "o", "gate_up", "down")}
-        for _ in range(8)
-    ]
+    ws = layer_weights(rand)
     nw = 1 + 0.1 * rand(1024)
     for m in (1, 2, 4):
         for name in ("qkv", "o", "gate_up", "down"):

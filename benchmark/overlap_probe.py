@@ -36,7 +36,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from attention_bw import DTYPE, HEAD_DIM, KV_HEADS, PAGE, Q_HEADS, decode_batch  # noqa: E402
-from kernel_bench import SHAPES, emit, layer_step, replay_seconds  # noqa: E402
+from kernel_bench import emit, layer_step, layer_weights, replay_seconds, seeded_rand  # noqa: E402
 
 HIDDEN = 1024
 
@@ -85,15 +85,9 @@ def main() -> int:
     kv = KVCache(1, 2 * sum(-(-n // PAGE) for n in lens) + 2, PAGE, KV_HEADS, HEAD_DIM, DTYPE, "cuda")
     kv.k_pages(0).normal_()
     kv.v_pages(0).normal_()
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    rand = seeded_rand(DTYPE)
 
-    def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
-        return (torch.randn(shape, generator=gen, device="cuda", dtype=torch.float32) * scale).to(DTYPE)
-
-    ws = [
-        {n: rand(*SHAPES[n], scale=SHAPES[n][1] ** -0.5) for n in ("qkv", "o", "gate_up", "down")}
-        for _ in range(8)
-    ]
+    ws = layer_weights(rand)
     nw = 1 + 0.1 * rand(HIDDEN)
     state: dict[str, dict[str, Any]] = {}
     for name, seq_lens in batches.items():

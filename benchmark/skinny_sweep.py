@@ -27,7 +27,16 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from kernel_bench import BF16, SHAPES, emit, graph_seconds, layer_projections, qkv_prep_args, rel_err  # noqa: E402
+from kernel_bench import (  # noqa: E402
+    SHAPES,
+    emit,
+    graph_seconds,
+    layer_projections,
+    layer_weights,
+    qkv_prep_args,
+    rel_err,
+    seeded_rand,
+)
 
 ROWS = [8, 16, 32, 64, 128, 256]
 # (projection, op): the projections alone (gate_up with its SiLU·mul), then qkv with its prep (q/k norm, RoPE, KV
@@ -98,15 +107,9 @@ def main() -> int:
 
     t0 = time.time()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    rand = seeded_rand()
 
-    def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
-        return (torch.randn(shape, generator=gen, device="cuda", dtype=torch.float32) * scale).to(BF16)
-
-    ws = [
-        {name: rand(*SHAPES[name], scale=SHAPES[name][1] ** -0.5) for name in ("qkv", "o", "gate_up", "down")}
-        for _ in range(8)
-    ]
+    ws = layer_weights(rand)
     nw = 1 + 0.1 * rand(1024)
     # The ops not swept keep the built-in table's entries, so the table written stands for all of them.
     table = {
