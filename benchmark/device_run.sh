@@ -356,7 +356,7 @@ case "$mode" in
     warm_pid=$!
     timeout 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/kernels/test_skinny_gemm.py -k prep 2>&1 \
       | tail -3 | tee "$OUT/gpu_tests_fold.txt"
-    timeout 80 python3 -m pytest -q -p no:cacheprovider tests/unit/engine/test_gpu_parity.py -k mid 2>test_gpu_parity.py -k mid-batch 2>&11 \
+    timeout 80 python3 -m pytest -q -p no:cacheprovider tests/unit/engine/test_gpu_parity.py -k mid-batch 2>&1 \
       | tail -3 | tee -a "$OUT/gpu_tests_fold.txt"
     timeout "${SWEEP_TIMEOUT:-170}" python3 benchmark/skinny_sweep.py --json "$OUT/skinny.jsonl" \
       --table "$OUT/skinny_table.json" --ops "${SWEEP_OPS:-prep}" \
