@@ -372,6 +372,11 @@ case "$mode" in
     wait $warm_pid
     PEER_TIMEOUT=240 bash benchmark/peers.sh run  # its graph capture alone took 68 s in call 2
     ;;
+  prefetch25)  # issue 25, seventeenth session: the next layer's weights prefetched into L2 as attention ends
+               # (benchmark/prefetch_probe.py: 28 layers of attention + projections per step, with and without)
+    timeout 150 python3 benchmark/prefetch_probe.py --json "$OUT/prefetch.jsonl" 2>&1 | grep -v Warn | tail -6 \
+      | tee "$OUT/prefetch.txt"
+    ;;
   overlap25)  # issue 25's next lever, probed before it is built: a decode step's attention + projections for the whole
               # batch against two half-batches on two streams in one graph (benchmark/overlap_probe.py), 256 and 128 rows
     for bs in 256 128; do
