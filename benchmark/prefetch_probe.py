@@ -14,14 +14,13 @@ runs them (the planned Triton decode over a ragged batch, a layer's projections 
 `kernels.gemv.linear`, 8 layers' weights in turn, CUDA-graph replays), per step of `--layers` layers:
 
     base         attention, then the projections, per layer (today's decode step, less LM head and sampling)
-    pf_normal    + one prefetch kernel after attention: `prefetch.global.L2` of every 128-byte line of o, gate_up,
-                 down and the next layer's qkv (PDL: it may start while attention's last wave drains)
-    pf_last      the same with the evict_last hint
+    pf           + kernels.l2_prefetch after attention: `prefetch.global.L2` of every 128-byte line of o, gate_up,
+                 down and the next layer's qkv in one launch (PDL: it may start while attention's last wave drains)
     proj         the projections alone (no attention between layers), and proj_pf with the prefetch
 
     python benchmark/prefetch_probe.py [--bs 256,128,64,16] [--layers 28] [--json out.jsonl]
 
-It pays if pf_* < base by more than the prefetch kernel's own launch.
+It pays if pf < base by more than the prefetch kernel's own launch.
 """
 
 from __future__ import annotations
@@ -30,76 +29,17 @@ import argparse
 import os
 import random
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
-import triton
-import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from attention_bw import DTYPE, HEAD_DIM, KV_HEADS, PAGE, Q_HEADS, decode_batch  # noqa: E402
 from kernel_bench import emit, layer_step, layer_weights, replay_seconds, seeded_rand  # noqa: E402
-from kubesgl.kernels.pdl import pdl_kwargs  # noqa: E402
-from kubesgl.kernels.pdl_triton import pdl_launch_dependents, pdl_wait  # noqa: E402
+from kubesgl.kernels.l2_prefetch import prefetch_l2  # noqa: E402
 
 HIDDEN = 1024
-LINE = 128  # bytes per L2 line
-LINES = 512  # lines per program (64 KiB)
-
-
-@triton.jit
-def _prefetch_lines(base, n, chunk, LINES: tl.constexpr, EVICT_LAST: tl.constexpr):
-    offs = tl.minimum(chunk * LINES + tl.arange(0, LINES), n - 1).to(tl.int64) * 128
-    if EVICT_LAST:
-        tl.inline_asm_elementwise(
-            "prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;",
-            "=r,l",
-            [base + offs],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )
-    else:
-        tl.inline_asm_elementwise(
-            "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;",
-            "=r,l",
-            [base + offs],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )
-
-
-@triton.jit
-def _l2_prefetch_kernel(
-    p0, n0, p1, n1, p2, n2, p3, n3, LINES: tl.constexpr, EVICT_LAST: tl.constexpr, USE_PDL: tl.constexpr
-):
-    """Programs laid out tensor by tensor, LINES lines each; the tensors are byte views of the weights."""
-    pid = tl.program_id(0)
-    c0 = tl.cdiv(n0, LINES)
-    c1 = c0 + tl.cdiv(n1, LINES)
-    c2 = c1 + tl.cdiv(n2, LINES)
-    if pid < c0:
-        _prefetch_lines(p0, n0, pid, LINES, EVICT_LAST)
-    elif pid < c1:
-        _prefetch_lines(p1, n1, pid - c0, LINES, EVICT_LAST)
-    elif pid < c2:
-        _prefetch_lines(p2, n2, pid - c1, LINES, EVICT_LAST)
-    else:
-        _prefetch_lines(p3, n3, pid - c2, LINES, EVICT_LAST)
-    pdl_wait(USE_PDL)  # completes only after its predecessor, as every PDL kernel of ours does
-    pdl_launch_dependents(USE_PDL)
-
-
-def l2_prefetch(weights: Sequence[torch.Tensor], evict_last: bool) -> None:
-    """Prefetch hints for every line of four contiguous tensors, in one launch."""
-    assert len(weights) == 4 and all(w.is_contiguous() for w in weights)
-    views = [w.view(torch.uint8).view(-1) for w in weights]
-    lines = [v.numel() // LINE for v in views]
-    grid = (sum(triton.cdiv(n, LINES) for n in lines),)
-    args = [a for v, n in zip(views, lines, strict=True) for a in (v, n)]
-    _l2_prefetch_kernel[grid](*args, LINES=LINES, EVICT_LAST=evict_last, num_warps=4, **pdl_kwargs(views[0]))
 
 
 def capture(fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
@@ -136,7 +76,7 @@ def probe(bs: int, layers: int, path: str | None) -> None:
     h0, r0 = rand(bs, HIDDEN), rand(bs, HIDDEN)
     attn_out = q.view(bs, -1)
 
-    def step(attention: bool, prefetch: str | None) -> Callable[[], None]:
+    def step(attention: bool, prefetch: bool) -> Callable[[], None]:
         def run() -> None:
             h, r = h0, r0
             for layer in range(layers):
@@ -145,20 +85,14 @@ def probe(bs: int, layers: int, path: str | None) -> None:
                 def attend(w=w, nxt=nxt) -> None:
                     if attention:
                         backend.forward(q, 0, kv, HEAD_DIM**-0.5)
-                    if prefetch is not None:
-                        l2_prefetch([w["o"], w["gate_up"], w["down"], nxt["qkv"]], prefetch == "last")
+                    if prefetch:
+                        prefetch_l2([w["o"], w["gate_up"], w["down"], nxt["qkv"]])
 
                 h, r = layer_step(w, h, r, attn_out, nw, linear, fold_silu=True, attend=attend)
 
         return run
 
-    variants = {
-        "base": (True, None),
-        "pf_normal": (True, "normal"),
-        "pf_last": (True, "last"),
-        "proj": (False, None),
-        "proj_pf": (False, "normal"),
-    }
+    variants = {"base": (True, False), "pf": (True, True), "proj": (False, False), "proj_pf": (False, True)}
     graphs = {name: capture(step(*v)) for name, v in variants.items()}
     backend.plan_replay(meta, bs)
     ms = {name: replay_seconds(g, 10) * 1e3 for name, g in graphs.items()}
@@ -166,9 +100,9 @@ def probe(bs: int, layers: int, path: str | None) -> None:
     row = {"part": "prefetch", "device": torch.cuda.get_device_name(), "bs": bs, "layers": layers}
     emit({**row, **{k: round(v, 4) for k, v in ms.items()}}, path)
     print(
-        f"{bs} rows, {layers} layers, ms per step: base {ms['base']:.3f}  prefetch {ms['pf_normal']:.3f} "
-        f"({ms['base'] / ms['pf_normal']:.3f}x)  evict_last {ms['pf_last']:.3f} ({ms['base'] / ms['pf_last']:.3f}x); "
-        f"projections alone {ms['proj']:.3f}, with prefetch {ms['proj_pf']:.3f}",
+        f"{bs} rows, {layers} layers, ms per step: base {ms['base']:.3f}  prefetch {ms['pf']:.3f} "
+        f"({ms['base'] / ms['pf']:.3f}x); projections alone {ms['proj']:.3f}, with prefetch {ms['proj_pf']:.3f} "
+        f"({ms['proj'] / ms['proj_pf']:.3f}x)",
         flush=True,
     )
 
