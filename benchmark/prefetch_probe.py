@@ -14,7 +14,7 @@ runs them (the planned Triton decode over a ragged batch, a layer's projections 
 `kernels.gemv.linear`, 8 layers' weights in turn, CUDA-graph replays), per step of `--layers` layers:
 
     base         attention, then the projections, per layer (today's decode step, less LM head and sampling)
-    pf           + kernels.l2_prefetch after attention: `prefetch.global.L2` of every 128-byte line of o, gate_up,
+    pf           + one prefetch kernel after attention: `prefetch.global.L2` of every 128-byte line of o, gate_up,
                  down and the next layer's qkv in one launch (PDL: it may start while attention's last wave drains)
     proj         the projections alone (no attention between layers), and proj_pf with the prefetch
 
@@ -32,14 +32,64 @@ import sys
 from collections.abc import Callable
 
 import torch
+import triton
+import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from attention_bw import DTYPE, HEAD_DIM, KV_HEADS, PAGE, Q_HEADS, decode_batch  # noqa: E402
 from kernel_bench import emit, layer_step, layer_weights, replay_seconds, seeded_rand  # noqa: E402
-from kubesgl.kernels.l2_prefetch import prefetch_l2  # noqa: E402
+from kubesgl.kernels.pdl import pdl_kwargs  # noqa: E402
+from kubesgl.kernels.pdl_triton import pdl_launch_dependents, pdl_wait  # noqa: E402
 
 HIDDEN = 1024
+LINE = 128  # bytes per L2 line
+LINES = 512  # lines per program
+
+
+@triton.jit
+def _prefetch(base, n, chunk, LINES: tl.constexpr):
+    # lines past the tensor's end are clamped to its last line (a repeated hint costs nothing)
+    offs = tl.minimum(chunk * LINES + tl.arange(0, LINES), n - 1).to(tl.int64) * 128
+    tl.inline_asm_elementwise(
+        "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;",
+        "=r,l",
+        [base + offs],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit
+def _prefetch_kernel(p0, n0, p1, n1, p2, n2, p3, n3, LINES: tl.constexpr, USE_PDL: tl.constexpr):
+    """Programs laid out tensor by tensor (n*: each byte view's line count)."""
+    pid = tl.program_id(0)
+    c0 = tl.cdiv(n0, LINES)
+    c1 = c0 + tl.cdiv(n1, LINES)
+    c2 = c1 + tl.cdiv(n2, LINES)
+    if pid < c0:
+        _prefetch(p0, n0, pid, LINES)
+    elif pid < c1:
+        _prefetch(p1, n1, pid - c0, LINES)
+    elif pid < c2:
+        _prefetch(p2, n2, pid - c1, LINES)
+    else:
+        _prefetch(p3, n3, pid - c2, LINES)
+    pdl_wait(USE_PDL)  # completes after its predecessor, as every PDL kernel of ours
+    pdl_launch_dependents(USE_PDL)
+
+
+def prefetch_l2(weights: list[torch.Tensor]) -> None:
+    """Prefetch hints for every line of 1-4 contiguous CUDA tensors, in one launch (PDL: it may start while the
+    kernel before it drains; it completes after it)."""
+    views = [w.view(-1).view(torch.uint8) for w in weights]
+    lines = [triton.cdiv(v.numel(), LINE) for v in views]
+    while len(views) < 4:  # unused slots: no lines, so no program reads their pointer
+        views, lines = [*views, views[0]], [*lines, 0]
+    grid = (sum(triton.cdiv(n, LINES) for n in lines),)
+    args = [a for v, n in zip(views, lines, strict=True) for a in (v, n)]
+    _prefetch_kernel[grid](*args, LINES=LINES, num_warps=4, **pdl_kwargs(views[0]))
 
 
 def capture(fn: Callable[[], None]) -> torch.cuda.CUDAGraph:

@@ -61,12 +61,6 @@ def gemv_norm() -> bool:
     return os.environ.get("KUBESGL_GEMV_NORM") not in _FALSE
 
 
-def l2_prefetch() -> bool:
-    """KUBESGL_L2_PREFETCH = 1/true: a decode step's attention is followed by L2 prefetches of the weights the
-    layer's o, gate_up, down and the next layer's qkv read (kernels/l2_prefetch.py)."""
-    return os.environ.get("KUBESGL_L2_PREFETCH") in _TRUE
-
-
 def skinny_gemm() -> bool:
     """Projections of 5-256 rows run as the mid-batch Triton GEMM on Hopper where its measured table has their
     shape (kernels/gemv.py) unless KUBESGL_SKINNY_GEMM = 0/false (cuBLAS then, for ablations)."""

@@ -17,8 +17,8 @@ Batches of 5-256 rows take the mid-batch GEMM (`gemm_triton`: tensor cores, PDL,
 where `SKINNY_TABLE` names a config for the projection's shape and rows bucket: the sweep found it ahead of cuBLAS
 at 8-32 rows (1.07-1.48x per projection) and behind it at 256 (0.79-0.84x), so the table keeps cuBLAS there;
 offline on an H200 it is +0.6 % (three pairs, each ahead). KUBESGL_SKINNY_GEMM=0 keeps cuBLAS.
-Its table can also name the qkv prep after the qkv projection (op "prep", `qkv_linear_prep`); that fold is not yet
-measured, so the built-in table names none: it runs only where a sweep's table (KUBESGL_SKINNY_CONFIGS) has it.
+Its table also names the qkv prep after the qkv projection (op "prep", `qkv_linear_prep`: the q/k norm, RoPE and
+KV store in the GEMM's epilogue) at 8-32 rows, where it measured 1.14-1.21x of the two kernels.
 """
 
 from __future__ import annotations
@@ -65,6 +65,11 @@ SKINNY_TABLE: dict[tuple[int, int, str, int], str] = {
     (1024, 2048, "linear", 64): "m64n32k64s4w4p4",
     (1024, 3072, "linear", 64): "m64n32k64s4w4p4",
     (1024, 3072, "linear", 128): "m64n64k128s4w4p3",
+    # the qkv projection with its prep (seventeenth session, lent H100: 1.21 / 1.21 / 1.14x of the table's qkv +
+    # qkv_prep at 8 / 16 / 32 rows; 0.89-0.99x from 64 rows on, so those keep the two kernels)
+    (4096, 1024, "prep", 8): "m16n64k128s4w4p3",
+    (4096, 1024, "prep", 16): "m16n64k128s4w4p3",
+    (4096, 1024, "prep", 32): "m32n64k128s2w4p3",
 }
 
 
@@ -206,4 +211,9 @@ def qkv_linear_prep(
         return None
     from kubesgl.kernels import gemm_triton
 
-    return gemm_triton.qkv_prep_gemm(x, weight, cfg, prep())
+    args = prep()
+    heads = args.num_q_heads + 2 * args.num_kv_heads
+    # the table is keyed by shape alone: another head layout of the same width keeps the two kernels
+    if args.cos.shape[-1] != cfg.block_n or weight.shape[0] != heads * 2 * cfg.block_n:
+        return None
+    return gemm_triton.qkv_prep_gemm(x, weight, cfg, args)

@@ -18,7 +18,6 @@ from kubesgl.errors import UnsupportedModelError
 from kubesgl.kernels.dispatch import use_triton
 from kubesgl.kernels.fused_mlp import fused_mlp, fused_mlp_applies
 from kubesgl.kernels.gemv import gate_up_silu, norm_linear, qkv_linear_prep
-from kubesgl.kernels.l2_prefetch import prefetch_applies, prefetch_l2
 from kubesgl.kernels.qkv_prep import QkvPrep
 from kubesgl.layers import opaque
 from kubesgl.layers.activation import SiluAndMul
@@ -67,9 +66,6 @@ class DecoderAttention(nn.Module):
         theta, scaling = rope_settings(config)
         self.rotary_emb = RotaryEmbedding(head_dim, config.max_position_embeddings, theta, scaling)
         self.attn = Attention(heads, kv_heads, head_dim, head_dim**-0.5, layer_id)
-        # (this layer's MLP, the next layer's DecoderAttention or None), set by CausalLM; a tuple, so neither is
-        # registered as a submodule here
-        self.prefetch_next: tuple[nn.Module, DecoderAttention | None] | tuple[()] = ()
 
     def _norm_heads(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         t = x.shape[0]
@@ -85,29 +81,11 @@ class DecoderAttention(nn.Module):
         q = qkv_linear_prep(hidden, w, b, lambda: self._prep_args(positions, fb))
         if q is None:
             q = self.prep(self.qkv_proj(hidden), positions, fb)
-        return self.o_proj(self._attention(q, fb))
+        return self.o_proj(self.attn(q, fb))
 
     def attend(self, qkv: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         """From the fused qkv projection to the attention output: norms, RoPE, KV store, attention."""
-        return self._attention(self.prep(qkv, positions, fb), fb)
-
-    def _attention(self, q: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        """The attention kernel; in a decode step, then the L2 prefetch of the weights up to the next one's."""
-        out = self.attn(q, fb)
-        if fb.mode == "decode" and self.prefetch_next and prefetch_applies(out):
-            prefetch_l2(self.prefetch_weights())
-        return out
-
-    def prefetch_weights(self) -> list[torch.Tensor]:
-        """What the step reads between this attention and the next: o_proj's weight, a dense MLP's two and the
-        next layer's qkv (`prefetch_next`: this layer's MLP and the next layer's attention, None for the last)."""
-        mlp, after = self.prefetch_next
-        weights = [self.o_proj.weight]
-        if isinstance(mlp, DenseMLP):
-            weights += [mlp.gate_up_proj.weight, mlp.down_proj.weight]
-        if after is not None:
-            weights.append(after.qkv_proj.weight)
-        return weights
+        return self.attn(self.prep(qkv, positions, fb), fb)
 
     def prep(
         self, qkv: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch, out: torch.Tensor | None = None
@@ -322,9 +300,6 @@ class CausalLM(nn.Module):
             )
             for i in range(config.num_hidden_layers)
         ]
-        for i, layer in enumerate(layers):
-            after = layers[i + 1].self_attn if i + 1 < len(layers) else None
-            layer.self_attn.prefetch_next = (layer.mlp, after)
         self.model = DecoderModel(config, layers, tp=tp)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp=tp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))

@@ -102,27 +102,23 @@ def mid_batch_table(tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize(
-    ("attn", "lever"),
-    [("auto", None), ("triton-planned", None), ("auto", "mid-batch"), ("auto", "l2-prefetch")],
-    ids=["defaults", "triton-planned", "mid-batch-gemm-and-prep", "l2-prefetch"],
+    ("attn", "mid_batch"),
+    [("auto", False), ("triton-planned", False), ("auto", True)],
+    ids=["defaults", "triton-planned", "mid-batch-gemm-and-prep"],
 )
 def test_engine_greedy_matches_hf_with_graphs_and_overlap(
     checkpoint: str,
     hf: torch.nn.Module,
     attn: str,
-    lever: str | None,
+    mid_batch: bool,
     monkeypatch: pytest.MonkeyPatch,
     tmp_path: Path,
 ) -> None:
-    if (
-        lever == "mid-batch"
-    ):  # kernels/gemm_triton.py on every projection, in the engine's CUDA graphs with overlap
+    if mid_batch:  # kernels/gemm_triton.py on every projection, in the engine's CUDA graphs with overlap
         monkeypatch.setenv("KUBESGL_SKINNY_CONFIGS", str(mid_batch_table(tmp_path)))
         qkv = torch.zeros(1536, 256, device="cuda", dtype=torch.bfloat16)
         x = torch.zeros(12, 256, device="cuda", dtype=torch.bfloat16)
         assert skinny_config(x, qkv, op="prep") is not None
-    if lever == "l2-prefetch":  # kernels/l2_prefetch.py after every decode attention, in the graphs
-        monkeypatch.setenv("KUBESGL_L2_PREFETCH", "1")
     rng = random.Random(1)
     prompts = [[rng.randrange(500) for _ in range(rng.randint(5, 60))] for _ in range(12)]
     with LLM(checkpoint, device="cuda", dtype="bfloat16", page_size=16, attn=attn) as llm:

@@ -152,6 +152,23 @@ def test_qkv_prep_gemm_refuses_a_tile_that_is_not_half_a_head_and_a_width_that_i
         )
 
 
+@cpu_interpreter
+def test_qkv_linear_prep_declines_a_head_layout_its_config_does_not_tile(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The table is keyed by (N, K, op, rows) alone, so a model of the same qkv width with other heads can hit a
+    prep entry: it gets None (the decoder runs the projection and qkv_prep), not the kernel's ValueError. Fake:
+    skinny_config stands in for a table lookup on CUDA (off CUDA it names nothing), returning `cfg`."""
+    fused, _, n = prep_case(7, True)
+    x = randn(7, 96, seed=5)
+    cfg = GemmConfig(16, 16, 32)  # tiles 32-wide heads; these are 16 wide
+    monkeypatch.setattr(gemv_module, "skinny_config", lambda *a, **kw: cfg)
+    assert qkv_linear_prep(x, randn(n, 96, seed=8), None, lambda: fused) is None
+    cfg = GemmConfig(16, 8, 32)  # half a head, but a width of 7 heads where this layer has 8
+    assert qkv_linear_prep(x, randn(7 * 16, 96, seed=8), None, lambda: fused) is None
+    assert qkv_linear_prep(x, randn(n, 96, seed=8), None, lambda: fused) is not None
+
+
 def test_skinny_gemm_refuses_what_it_cannot_run() -> None:
     x, w = torch.zeros(8, 64), torch.zeros(32, 64)
     with pytest.raises(ValueError, match=r"x \(8, 64\) and w \(32, 48\)"):
