@@ -331,13 +331,21 @@ def _launch(
     return out
 
 
-def _check_prep(prep: QkvPrep, m: int, n: int, cfg: GemmConfig) -> None:
+def prep_layout_error(prep: QkvPrep, n: int, cfg: GemmConfig) -> str | None:
+    """Why `cfg` cannot run `prep` on a qkv projection of width `n` (one program per head, so block_n is half a
+    head and n the heads' width), or None where it can."""
     half = prep.cos.shape[-1]
     head_dim = 2 * half
     if cfg.block_n != half:
-        raise ValueError(f"qkv_prep_gemm: the config's block_n must be head_dim / 2 = {half}, got {cfg}")
+        return f"qkv_prep_gemm: the config's block_n must be head_dim / 2 = {half}, got {cfg}"
     if n != (prep.num_q_heads + 2 * prep.num_kv_heads) * head_dim:
-        raise ValueError(f"qkv width {n} is not ({prep.num_q_heads} + 2 * {prep.num_kv_heads}) * {head_dim}")
+        return f"qkv width {n} is not ({prep.num_q_heads} + 2 * {prep.num_kv_heads}) * {head_dim}"
+    return None
+
+
+def _check_prep(prep: QkvPrep, m: int, n: int, cfg: GemmConfig) -> None:
+    if (error := prep_layout_error(prep, n, cfg)) is not None:
+        raise ValueError(error)
     if (prep.q_norm_weight is None) != (prep.k_norm_weight is None):
         raise ValueError("q and k norms come together")
     if prep.cos.stride(-1) != 1 or prep.sin.stride() != prep.cos.stride():

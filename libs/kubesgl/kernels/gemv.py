@@ -212,8 +212,7 @@ def qkv_linear_prep(
     from kubesgl.kernels import gemm_triton
 
     args = prep()
-    heads = args.num_q_heads + 2 * args.num_kv_heads
     # the table is keyed by shape alone: another head layout of the same width keeps the two kernels
-    if args.cos.shape[-1] != cfg.block_n or weight.shape[0] != heads * 2 * cfg.block_n:
+    if gemm_triton.prep_layout_error(args, weight.shape[0], cfg) is not None:
         return None
     return gemm_triton.qkv_prep_gemm(x, weight, cfg, args)
