@@ -349,35 +349,12 @@ case "$mode" in
       grep "^== bs" "$OUT/trace_skinny$on.txt" | sed "s/^/skinny $on: /"
     done
     ;;
-  fold25)  # issue 25, sixteenth session: the mid-batch GEMM's qkv-prep fold. Mini-SGLang's kernels warm in
-           # the background meanwhile (CPU-bound); the fold's GPU tests, the sweep (-> $OUT/skinny_table.json), the
-           # offline benchmark with the built-in table and with the sweep's (step profiles), then Mini-SGLang timed
+  paired)  # the offline figure with today's defaults (PAIRED_RUNS times, default 2) beside Mini-SGLang's, in one call:
+           # its kernels warm in the background meanwhile (CPU-bound), and its timed run needs ~90 s of start-up (the
+           # bs-256 graph capture took 110 s in the seventeenth session's call 1, cut by the 200 s it had then)
     bash benchmark/peers.sh warm > "$OUT/peers_warm.txt" 2>&1 &
     warm_pid=$!
-    timeout 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/kernels/test_skinny_gemm.py -k prep 2>&1 \
-      | tail -3 | tee "$OUT/gpu_tests_fold.txt"
-    timeout 80 python3 -m pytest -q -p no:cacheprovider tests/unit/engine/test_gpu_parity.py -k mid-batch 2>&1 \
-      | tail -3 | tee -a "$OUT/gpu_tests_fold.txt"
-    timeout "${SWEEP_TIMEOUT:-170}" python3 benchmark/skinny_sweep.py --json "$OUT/skinny.jsonl" \
-      --table "$OUT/skinny_table.json" --ops "${SWEEP_OPS:-prep}" \
-      --block-n 32,64 --block-k 128 --max-block-m 64 2>&1 | grep -v Warn | tail -50 \
-      > "$OUT/skinny.txt"
-    tail -24 "$OUT/skinny.txt"
-    for t in builtin sweep; do
-      cfgs=""; [ $t = sweep ] && cfgs="$OUT/skinny_table.json"
-      env KUBESGL_SKINNY_CONFIGS="$cfgs" KUBESGL_STEP_PROFILE=1 timeout 75 $B --model Qwen3-0.6B 2>&1 | tail -14 \
-        > "$OUT/p_$t.txt"
-      echo "$t: $(grep -o '"output_tok_s": [0-9.]*' "$OUT/p_$t.txt")"
-    done
-    wait $warm_pid
-    PEER_TIMEOUT=240 bash benchmark/peers.sh run  # its graph capture alone took 68 s in call 2
-    ;;
-  final17)  # issue 25, seventeenth session's last call: the offline figure with today's defaults (the prep fold in the
-            # built-in table at 8-32 rows) twice, then Mini-SGLang, whose kernels warm in the background meanwhile and
-            # whose timed run needs ~4 min (its bs-256 graph capture alone took 110 s in call 1, which cut it at 200 s)
-    bash benchmark/peers.sh warm > "$OUT/peers_warm.txt" 2>&1 &
-    warm_pid=$!
-    for t in 1 2; do
+    for t in $(seq "${PAIRED_RUNS:-2}"); do
       env KUBESGL_STEP_PROFILE=1 timeout 75 $B --model Qwen3-0.6B 2>&1 | tail -14 > "$OUT/p_default$t.txt"
       echo "default $t: $(grep -o '"output_tok_s": [0-9.]*' "$OUT/p_default$t.txt")"
     done

@@ -41,6 +41,34 @@ from kernel_bench import emit, layer_step, layer_weights, replay_seconds, seeded
 HIDDEN = 1024
 
 
+def workload_lens(bs: int, seed: int = 0) -> list[int]:
+    """Seeded ragged decode lengths like the seed workload's: 100-1,024 tokens plus up to as many again."""
+    rng = random.Random(seed)
+    return [rng.randint(100, 1024) + rng.randint(0, rng.randint(100, 1024)) for _ in range(bs)]
+
+
+def random_kv(pages: int) -> Any:
+    """One layer's paged KV cache of `pages` pages (plus the reserved ones) filled with randn."""
+    from kubesgl.kv.kv_cache import KVCache
+
+    kv = KVCache(1, pages + 2, PAGE, KV_HEADS, HEAD_DIM, DTYPE, "cuda")
+    kv.k_pages(0).normal_()
+    kv.v_pages(0).normal_()
+    return kv
+
+
+def planned_decode(seq_lens: list[int], kv: Any) -> tuple[Any, Any]:
+    """(metadata, backend): the engine's planned Triton decode for a batch of these lengths (pages in random order),
+    set up for graph capture; `backend.plan_replay(meta, len(seq_lens))` loads the real work lists after it."""
+    from kubesgl.attention.triton_backend import TritonAttention
+
+    meta, _ = decode_batch(seq_lens, kv)
+    backend = TritonAttention(device="cuda", num_q_heads=Q_HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM)
+    backend.init_cuda_graph(len(seq_lens), meta.page_table.shape[1])
+    backend.plan_capture(len(seq_lens))
+    return meta, backend
+
+
 def capture(parts: list[Callable[[], None]]) -> torch.cuda.CUDAGraph:
     """One graph: parts[0] on the capture stream, each further part on a stream of its own, forked from the
     capture stream at the start and joined at the end (after a warm-up of each part on a side stream)."""
@@ -75,29 +103,19 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("overlap_probe needs a CUDA device", file=sys.stderr)
         return 2
-    from kubesgl.attention.triton_backend import TritonAttention
     from kubesgl.kernels.gemv import linear
-    from kubesgl.kv.kv_cache import KVCache
 
-    rng = random.Random(0)
-    lens = [rng.randint(100, 1024) + rng.randint(0, rng.randint(100, 1024)) for _ in range(args.bs)]
+    lens = workload_lens(args.bs)
     batches = {"full": lens, "a": lens[0::2], "b": lens[1::2]}  # alternate rows: halves of like length
-    kv = KVCache(1, 2 * sum(-(-n // PAGE) for n in lens) + 2, PAGE, KV_HEADS, HEAD_DIM, DTYPE, "cuda")
-    kv.k_pages(0).normal_()
-    kv.v_pages(0).normal_()
+    kv = random_kv(2 * sum(-(-n // PAGE) for n in lens))
     rand = seeded_rand(DTYPE)
 
     ws = layer_weights(rand)
     nw = 1 + 0.1 * rand(HIDDEN)
     state: dict[str, dict[str, Any]] = {}
     for name, seq_lens in batches.items():
-        meta, _ = decode_batch(seq_lens, kv)
-        backend = TritonAttention(
-            device="cuda", num_q_heads=Q_HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM
-        )
+        meta, backend = planned_decode(seq_lens, kv)
         bs = len(seq_lens)
-        backend.init_cuda_graph(bs, meta.page_table.shape[1])
-        backend.plan_capture(bs)
         state[name] = {
             "meta": meta,
             "backend": backend,

@@ -11,6 +11,7 @@
 set -u
 OUT=${OUT:-/tmp/out}
 phase=${1:-all}
+case "$phase" in all | warm | run) ;; *) echo "peers.sh: unknown phase '$phase' (all, warm or run)" >&2; exit 2 ;; esac
 dir=/tmp/qwen3-0.6b-config
 python3 - "$dir" <<'EOF'
 import sys
